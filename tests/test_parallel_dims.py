@@ -1,0 +1,63 @@
+import pytest
+
+from trainlib.parallel import ParallelDims
+
+from dist_utils import spawn
+
+
+def test_dp_shard_fills_remaining_ranks():
+    d = ParallelDims(dp_replicate=2, dp_shard=-1, tp=2, world_size=16)
+    assert d.dp_shard == 4 and d.dp == 8 and d.fsdp_enabled and d.hsdp_enabled and d.tp_enabled
+
+
+def test_product_must_equal_world_size():
+    with pytest.raises(ValueError, match=r"dp_replicate\(1\) \* dp_shard\(2\) \* cp\(1\) \* tp\(2\) \* pp\(1\) = 4 != world size 8"):
+        ParallelDims(dp_shard=2, tp=2, world_size=8)
+
+
+def test_remaining_ranks_must_divide():
+    with pytest.raises(ValueError, match="not divisible"):
+        ParallelDims(tp=3, world_size=8)
+
+
+@pytest.mark.parametrize("key", ["tp", "cp", "pp", "dp_replicate"])
+def test_degrees_positive(key):
+    with pytest.raises(ValueError, match=f"parallelism.{key} must be >= 1"):
+        ParallelDims(**{key: 0}, world_size=1)
+
+
+def test_meshes_need_build():
+    with pytest.raises(RuntimeError, match="build_mesh"):
+        ParallelDims(world_size=1).mesh("dp")
+    assert ParallelDims(world_size=1).dp_coords() == (0, 1)
+
+
+def _check_mesh(rank, world):
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=1, pp=1, world_size=world)
+    dims.build_mesh("cpu")
+    # layout (dp_shard, cp): ranks 0,1 share dp index 0 and differ in cp
+    assert dims.mesh("cp").size() == 2 and dims.mesh("dp").size() == 2
+    assert dims.mesh("dp_shard_cp").size() == 4 and dims.mesh("dp_cp").size() == 4
+    assert dims.fsdp_mesh().ndim == 1
+    assert dims.dp_coords() == (rank // 2, 2)
+    assert dims.mesh("cp").get_local_rank() == rank % 2
+    with pytest.raises(KeyError, match="available"):
+        dims.mesh("ep")
+    with pytest.raises(RuntimeError, match="already"):
+        dims.build_mesh("cpu")
+
+
+def _check_hsdp_mesh(rank, world):
+    dims = ParallelDims(dp_replicate=2, dp_shard=2, world_size=world)
+    dims.build_mesh("cpu")
+    mesh = dims.fsdp_mesh()
+    assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard_cp") and tuple(mesh.shape) == (2, 2)
+    assert dims.dp_coords() == (rank, 4)
+
+
+def test_mesh_views_on_4_ranks():
+    spawn(_check_mesh, 4)
+
+
+def test_hsdp_mesh_on_4_ranks():
+    spawn(_check_hsdp_mesh, 4)

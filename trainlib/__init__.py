@@ -1,0 +1,30 @@
+"""trainlib: native-PyTorch pre-training of Llama-class models.
+
+The parts, each usable alone (see docs/custom_loop.py):
+  trainlib.config    JobConfig, load_job_config, strict TOML recipes
+  trainlib.parallel  ParallelDims (the mesh), apply_fsdp, init_model_weights, clip_grad_norm_
+  trainlib.models    llama3.Transformer, flavors, parallelize_llama
+  trainlib.optim     build_optimizer, build_lr_scheduler
+  trainlib.data      tokenizers, build_dataloader
+  trainlib.metrics   MetricsLogger
+  trainlib.train     the main job (`python -m trainlib.train`)
+"""
+
+__version__ = "0.1.0"
+
+from trainlib.config import ConfigError, JobConfig, load_job_config  # noqa: E402
+from trainlib.data import DataConfig, TokenizerConfig, build_dataloader, build_tokenizer  # noqa: E402
+from trainlib.distributed import CommConfig, init_distributed  # noqa: E402
+from trainlib.loss import count_targets, cross_entropy_sum  # noqa: E402
+from trainlib.metrics import MetricsConfig, MetricsLogger  # noqa: E402
+from trainlib.models.llama3 import ModelArgs, Transformer, get_model_args, parallelize_llama  # noqa: E402
+from trainlib.optim import LRSchedulerConfig, OptimizerConfig, build_lr_scheduler, build_optimizer  # noqa: E402
+from trainlib.parallel import ParallelDims, apply_fsdp, clip_grad_norm_, init_model_weights  # noqa: E402
+
+__all__ = [
+    "CommConfig", "ConfigError", "DataConfig", "JobConfig", "LRSchedulerConfig", "MetricsConfig",
+    "MetricsLogger", "ModelArgs", "OptimizerConfig", "ParallelDims", "TokenizerConfig", "Transformer",
+    "apply_fsdp", "build_dataloader", "build_lr_scheduler", "build_optimizer", "build_tokenizer",
+    "clip_grad_norm_", "count_targets", "cross_entropy_sum", "get_model_args", "init_distributed",
+    "init_model_weights", "load_job_config", "parallelize_llama",
+]

@@ -1,0 +1,66 @@
+"""The job config: one section per component, each that component's own dataclass.
+
+A recipe is a TOML file whose tables are these sections. Components receive
+only their own section (the optimizer gets `OptimizerConfig`, not the job).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from trainlib.data import DataConfig, TokenizerConfig
+from trainlib.distributed import CommConfig
+from trainlib.metrics import MetricsConfig
+from trainlib.optim import LRSchedulerConfig, OptimizerConfig
+from trainlib.parallel.config import ParallelismConfig
+
+
+@dataclass
+class JobSection:
+    dump_folder: str = field(default="./outputs/run", metadata={"help": "run folder: config, metrics, checkpoints"})
+    description: str = ""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+
+
+@dataclass
+class ModelConfig:
+    name: Literal["llama3"] = "llama3"
+    flavor: str = field(default="debug", metadata={"help": "debug, llama3.2_1b, llama3.2_3b, llama3.1_8b, llama3.1_70b, llama3.1_405b"})
+    # Shape overrides on top of the flavor, for scaled-down experiments and
+    # benchmarks (e.g. 8B layers but fewer of them on one GPU).
+    n_layers: int | None = None
+    vocab_size: int | None = None
+
+
+@dataclass
+class TrainingConfig:
+    steps: int = 100
+    seed: int = 0
+    seq_len: int = 256
+    global_batch_size: int = field(default=16, metadata={"help": "sequences per optimizer step, fixed whatever the layout"})
+    local_batch_size: int | None = field(default=None, metadata={"help": "sequences per rank per micro-step; default global/dp (no accumulation)"})
+    max_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm; <= 0 disables clipping"})
+    mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+
+    def __post_init__(self) -> None:
+        for key in ("steps", "seq_len", "global_batch_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"training.{key} must be >= 1, got {getattr(self, key)}")
+        if self.local_batch_size is not None and self.local_batch_size < 1:
+            raise ValueError(f"training.local_batch_size must be >= 1, got {self.local_batch_size}")
+
+
+@dataclass
+class JobConfig:
+    job: JobSection = field(default_factory=JobSection)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
+    parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    comm: CommConfig = field(default_factory=CommConfig)

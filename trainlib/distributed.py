@@ -1,0 +1,91 @@
+"""Process-group setup: torchrun or a world of one, with timeouts that end hangs."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Literal
+
+import torch
+import torch.distributed as dist
+
+logger = logging.getLogger("trainlib")
+
+
+@dataclass
+class CommConfig:
+    # Generous for the first step, which includes compilation and the first
+    # all-gathers; strict afterwards, so that a hung rank ends the job with an
+    # error instead of holding every GPU forever.
+    init_timeout_seconds: float = 600.0
+    train_timeout_seconds: float = 300.0
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+
+    def __post_init__(self) -> None:
+        for key in ("init_timeout_seconds", "train_timeout_seconds"):
+            if not getattr(self, key) > 0:
+                raise ValueError(f"comm.{key} must be > 0 seconds, got {getattr(self, key)}")
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int
+    local_rank: int
+    world_size: int
+    device: torch.device
+
+
+def resolve_device(kind: str, local_rank: int) -> torch.device:
+    if kind == "auto":
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("job.device = 'cuda' but no CUDA device is visible; use 'cpu' or 'auto'")
+        torch.cuda.set_device(local_rank)
+        return torch.device("cuda", local_rank)
+    return torch.device("cpu")
+
+
+def init_distributed(cfg: CommConfig, device: str = "auto") -> DistInfo:
+    """Initialise the default process group. Without torchrun's environment,
+    a world of one with an in-process store: every code path (meshes, DTensor,
+    collectives) is then the same as in a real multi-rank job."""
+    launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
+    rank = int(os.environ.get("RANK", 0))
+    world_size = int(os.environ.get("WORLD_SIZE", 1))
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    dev = resolve_device(device, local_rank)
+    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
+    if backend == "nccl" and dev.type != "cuda":
+        raise ValueError("comm.backend = 'nccl' needs job.device = 'cuda'; use 'gloo' on CPU")
+    if dist.is_initialized():
+        return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), dev)
+    timeout = timedelta(seconds=cfg.init_timeout_seconds)
+    kwargs = dict(backend=backend, timeout=timeout)
+    if backend == "nccl":
+        kwargs["device_id"] = dev
+    if launched:
+        dist.init_process_group(init_method="env://", **kwargs)
+    else:
+        dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
+    return DistInfo(rank, local_rank, world_size, dev)
+
+
+def set_collective_timeout(seconds: float) -> None:
+    """Apply `seconds` to every process group this rank belongs to. Sub-groups
+    made by DeviceMesh start with torch's 30-minute default, not the timeout
+    given to init_process_group, so each one is set."""
+    timeout = timedelta(seconds=seconds)
+    groups = list(dist.distributed_c10d._world.pg_map.keys())
+    for group in groups:
+        try:
+            dist.distributed_c10d._set_pg_timeout(timeout, group)
+        except (ValueError, RuntimeError, AssertionError) as e:  # e.g. a group this rank is not in
+            logger.debug(f"could not set timeout on {group}: {e}")
+
+
+def destroy_distributed() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,279 @@
+"""Llama 3 as plain single-device PyTorch.
+
+Nothing here imports torch.distributed: parallelism is applied from outside
+(`trainlib.models.llama3.parallelize`). Two layout rules make that possible:
+- transformer blocks live in an `nn.ModuleDict` keyed by their global index
+  ("0", "1", ...), so a pipeline stage can delete the blocks it does not own
+  and the remaining parameter names (the checkpoint keys) stay the same;
+- `tok_embeddings`, `norm` and `output` may be set to None on pipeline stages
+  that do not own them; `forward` skips what is missing.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, replace
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    ffn_dim: int
+    vocab_size: int
+    norm_eps: float = 1e-5
+    rope_theta: float = 500000.0
+    # Llama 3.1 frequency scaling (None disables it). Published values:
+    # 8B/70B/405B factor 8, Llama 3.2 1B/3B factor 32.
+    rope_scaling_factor: float | None = 8.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_seq_len: int = 8192
+    max_seq_len: int = 131072
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.n_heads
+
+    def validate(self) -> None:
+        if self.dim % self.n_heads:
+            raise ValueError(f"model.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(
+                f"model n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}) for GQA"
+            )
+        if self.head_dim % 2:
+            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+
+
+# Published shapes. `debug` is ours: small enough that 4 CPU processes train it
+# in seconds, while keeping GQA (4 heads, 2 kv heads) so TP/GQA code paths run.
+FLAVORS: dict[str, ModelArgs] = {
+    "debug": ModelArgs(
+        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, ffn_dim=192, vocab_size=512,
+        rope_theta=10000.0, rope_scaling_factor=None, max_seq_len=4096,
+    ),
+    "llama3.2_1b": ModelArgs(
+        dim=2048, n_layers=16, n_heads=32, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
+        rope_scaling_factor=32.0, tie_embeddings=True,
+    ),
+    "llama3.2_3b": ModelArgs(
+        dim=3072, n_layers=28, n_heads=24, n_kv_heads=8, ffn_dim=8192, vocab_size=128256,
+        rope_scaling_factor=32.0, tie_embeddings=True,
+    ),
+    "llama3.1_8b": ModelArgs(
+        dim=4096, n_layers=32, n_heads=32, n_kv_heads=8, ffn_dim=14336, vocab_size=128256
+    ),
+    "llama3.1_70b": ModelArgs(
+        dim=8192, n_layers=80, n_heads=64, n_kv_heads=8, ffn_dim=28672, vocab_size=128256
+    ),
+    "llama3.1_405b": ModelArgs(
+        dim=16384, n_layers=126, n_heads=128, n_kv_heads=8, ffn_dim=53248, vocab_size=128256
+    ),
+}
+
+
+def get_model_args(flavor: str, **overrides) -> ModelArgs:
+    if flavor not in FLAVORS:
+        import difflib
+
+        close = difflib.get_close_matches(flavor, FLAVORS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ValueError(f"unknown model.flavor '{flavor}'{hint} (valid: {', '.join(FLAVORS)})")
+    args = replace(FLAVORS[flavor], **{k: v for k, v in overrides.items() if v is not None})
+    args.validate()
+    return args
+
+
+def precompute_rope(args: ModelArgs, seq_len: int, device=None) -> torch.Tensor:
+    """cos/sin table of shape [seq_len, head_dim // 2, 2] in fp32.
+
+    Real-valued (not complex) so that it can live on the meta device, be
+    sliced by DTensor code and travel through torch.compile without
+    complex-number support.
+    """
+    half = args.head_dim // 2
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float64) / half))
+    if args.rope_scaling_factor is not None:
+        inv_freq = _llama31_scale(inv_freq, args)
+    t = torch.arange(seq_len, device=device, dtype=torch.float64)
+    angles = torch.outer(t, inv_freq)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def _llama31_scale(inv_freq: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    # Llama 3.1: wavelengths longer than original_ctx/low_factor are divided by
+    # `factor`, shorter than original_ctx/high_factor kept, and the band in
+    # between interpolated smoothly. This is what lets the 8K-trained base
+    # extend to 128K.
+    factor, lo, hi = args.rope_scaling_factor, args.rope_low_freq_factor, args.rope_high_freq_factor
+    old_ctx = args.rope_original_max_seq_len
+    wavelen = 2 * math.pi / inv_freq
+    smooth = ((old_ctx / wavelen) - lo) / (hi - lo)
+    scaled = torch.where(wavelen > old_ctx / lo, inv_freq / factor, inv_freq)
+    mid = (wavelen <= old_ctx / lo) & (wavelen >= old_ctx / hi)
+    return torch.where(mid, (1 - smooth) * inv_freq / factor + smooth * inv_freq, scaled)
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """x: [b, s, h, d]; rope: [s, d/2, 2] or [b, s, d/2, 2]. Rotates adjacent pairs (Meta layout)."""
+    xf = x.float().unflatten(-1, (-1, 2))  # [b, s, h, d/2, 2]
+    if rope.dim() == 3:
+        rope = rope.unsqueeze(0)
+    cos, sin = rope[..., 0].unsqueeze(2), rope[..., 1].unsqueeze(2)  # [b|1, s, 1, d/2]
+    x0, x1 = xf[..., 0], xf[..., 1]
+    out = torch.stack([x0 * cos - x1 * sin, x0 * sin + x1 * cos], dim=-1)
+    return out.flatten(-2).type_as(x)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 instead of n_heads: under tensor parallelism each rank holds a
+        # slice of the heads, and the same code must run unchanged.
+        q = self.wq(x).view(b, s, -1, self.head_dim)
+        k = self.wk(x).view(b, s, -1, self.head_dim)
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
+        out = self.sdpa(q, k, v)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+    @staticmethod
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # enable_gqa lets SDPA broadcast kv heads without materialising copies.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+
+
+class FeedForward(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
+        self.w3 = nn.Linear(dim, hidden, bias=False)  # up
+        self.w2 = nn.Linear(hidden, dim, bias=False)  # down
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, rope_len: int | None = None):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # Non-persistent: derived from args, so it stays out of checkpoints and
+        # is rebuilt by `init_buffers` after the meta-device build.
+        self.rope_len = rope_len or args.max_seq_len
+        self.register_buffer("rope", precompute_rope(args, self.rope_len), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: [b, s] token ids (or [b, s, dim] hidden states on a non-first
+        pipeline stage). position_ids: optional [b, s] positions for RoPE; by
+        default 0..s-1. Returns logits [b, s, vocab] (or hidden states on a
+        non-last pipeline stage)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # The table is indexed by the *global* sequence length, so it stays
+        # right when a parallel plan shards activations along the sequence.
+        rope = self.rope[position_ids] if position_ids is not None else self.rope[: h.shape[1]]
+        for layer in self.layers.values():
+            h = layer(h, rope)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None else h
+
+    # ---- initialisation -------------------------------------------------
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        self.rope = precompute_rope(self.args, self.rope_len, device=device)
+
+    def param_init_spec(self, name: str) -> tuple[str, float]:
+        """How the parameter called `name` (a checkpoint key) is initialised:
+        ("ones", 0) or ("trunc_normal", std). Kept as data, not as code that
+        mutates tensors, so a distributed initialiser can generate exactly the
+        same values for any sharding (see trainlib.parallel.init)."""
+        if name.endswith("norm.weight"):
+            return ("ones", 0.0)
+        if name == "tok_embeddings.weight":
+            return ("trunc_normal", 1.0 if not self.args.tie_embeddings else self.args.dim**-0.5)
+        if name == "output.weight":
+            return ("trunc_normal", self.args.dim**-0.5)
+        # Residual-branch outputs scaled by depth (as in GPT-2 / TorchTitan's
+        # depth-init) so activations do not grow with the number of layers.
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            return ("trunc_normal", 0.02 / math.sqrt(2 * self.args.n_layers))
+        return ("trunc_normal", 0.02)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Single-device initialisation, identical to what
+        `trainlib.parallel.init.init_model_weights` gives for any layout."""
+        from trainlib.models.init_utils import fill_param
+
+        self.init_buffers(device=self.rope.device if self.rope.device.type != "meta" else None)
+        for name, p in self.named_parameters():
+            fill_param(p, self.param_init_spec(name), seed, name)
+
+
+def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
+    seen, n = set(), 0
+    for name, p in model.named_parameters():
+        if id(p) in seen:
+            continue
+        seen.add(id(p))
+        if exclude_embeddings and "tok_embeddings" in name:
+            continue
+        n += p.numel()
+    return n
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward): 6 per matmul weight plus
+    the attention score and value matmuls (12 * layers * heads * head_dim *
+    seq). Causal masking is not discounted, the PaLM-appendix convention that
+    other libraries' MFU numbers also use, so they compare."""
+    hd = args.head_dim
+    per_layer = args.dim * hd * (2 * args.n_heads + 2 * args.n_kv_heads) + 3 * args.dim * args.ffn_dim
+    matmul_params = args.n_layers * per_layer + args.vocab_size * args.dim  # output proj; embedding is a lookup
+    attn = 12 * args.n_layers * args.n_heads * hd * seq_len
+    return 6 * matmul_params + attn

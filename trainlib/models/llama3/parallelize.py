@@ -1,0 +1,56 @@
+"""Apply the parallel axes to a Llama 3 model, in one fixed order.
+
+Order (each step assumes the previous ones):
+  1. tensor parallel (+ sequence parallel)   changes module forward layouts
+  2. context parallel                        routes attention to ring attention
+  3. activation checkpointing                wraps blocks
+  4. torch.compile                           per block, after AC wrapping
+  5. FSDP / HSDP                             last: shards whatever parameters
+                                             (possibly DTensors from TP) exist
+Pipeline parallelism is applied before all of these, by splitting the model
+into stages; each stage is then parallelized with this function.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from trainlib.parallel.config import ParallelismConfig
+from trainlib.parallel.fsdp import apply_fsdp
+from trainlib.parallel.parallel_dims import ParallelDims
+
+
+def parallelize_llama(
+    model: nn.Module,
+    parallel_dims: ParallelDims,
+    parallelism: ParallelismConfig,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+) -> nn.Module:
+    # Data parallelism is applied whenever more than one rank holds distinct
+    # tokens, and also on one rank when a lower parameter precision is asked:
+    # FSDP's mixed-precision policy is the one place that casts parameters.
+    dp_cp = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp
+    if dp_cp > 1 or param_dtype != torch.float32:
+        apply_fsdp(
+            model,
+            parallel_dims.fsdp_mesh(),
+            param_dtype=param_dtype,
+            reduce_dtype=reduce_dtype,
+            reshard_after_forward=_reshard_after_forward(parallelism, parallel_dims),
+            cpu_offload=parallelism.fsdp_cpu_offload,
+        )
+    return model
+
+
+def _reshard_after_forward(parallelism: ParallelismConfig, parallel_dims: ParallelDims) -> bool:
+    policy = parallelism.fsdp_reshard_after_forward
+    if policy == "always":
+        return True
+    if policy == "never":
+        return False
+    # Under PP every micro-batch would re-gather the same parameters, so keep
+    # them unsharded between forward and backward.
+    return not parallel_dims.pp_enabled

@@ -1,0 +1,99 @@
+"""AdamW and the learning-rate schedule."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import LambdaLR
+
+
+@dataclass
+class OptimizerConfig:
+    name: Literal["adamw"] = "adamw"
+    lr: float = 3e-4
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    # foreach is the fast default that works for plain tensors and DTensors
+    # alike; fused needs every parameter on one accelerator device type.
+    implementation: Literal["foreach", "fused", "for-loop"] = "foreach"
+
+    def __post_init__(self) -> None:
+        if not self.lr > 0:
+            raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ValueError(f"optimizer.{key} must be in [0, 1), got {getattr(self, key)}")
+        if self.weight_decay < 0:
+            raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+
+
+@dataclass
+class LRSchedulerConfig:
+    warmup_steps: int = 0
+    # After warmup: cosine or linear decay to min_lr_ratio * lr over the rest of
+    # the run; "wsd" (warmup-stable-decay) holds the peak and decays linearly
+    # over the last `decay_ratio` of the steps; "constant" holds the peak.
+    decay_type: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
+    min_lr_ratio: float = 0.1
+    decay_ratio: float = 0.2
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0:
+            raise ValueError(f"lr_scheduler.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 < self.decay_ratio <= 1:
+            raise ValueError(f"lr_scheduler.decay_ratio must be in (0, 1], got {self.decay_ratio}")
+
+
+def build_optimizer(model_parts: Iterable[nn.Module], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    """One AdamW over all model parts (several under pipeline parallelism).
+
+    Weight decay applies to matrices only: decaying norm gains pulls them
+    towards zero, which only hurts.
+    """
+    decay, no_decay = [], []
+    for part in model_parts:
+        for p in part.parameters():
+            if p.requires_grad:
+                (decay if p.ndim >= 2 else no_decay).append(p)
+    groups = [
+        {"params": decay, "weight_decay": cfg.weight_decay},
+        {"params": no_decay, "weight_decay": 0.0},
+    ]
+    impl = {"foreach": dict(foreach=True), "fused": dict(fused=True), "for-loop": dict(foreach=False)}
+    return torch.optim.AdamW(
+        [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+        **impl[cfg.implementation],
+    )
+
+
+def lr_factor(step: int, total_steps: int, cfg: LRSchedulerConfig) -> float:
+    """Multiplier of the peak lr for the optimizer step with 0-based index `step`."""
+    if step < cfg.warmup_steps:
+        return (step + 1) / cfg.warmup_steps
+    if cfg.decay_type == "constant":
+        return 1.0
+    lo = cfg.min_lr_ratio
+    if cfg.decay_type == "wsd":
+        decay_steps = max(1, round(cfg.decay_ratio * (total_steps - cfg.warmup_steps)))
+        start = total_steps - decay_steps
+        if step < start:
+            return 1.0
+        return 1.0 - (1.0 - lo) * (step - start + 1) / decay_steps
+    span = max(1, total_steps - cfg.warmup_steps)
+    progress = min(1.0, (step - cfg.warmup_steps) / span)
+    if cfg.decay_type == "linear":
+        return 1.0 - (1.0 - lo) * progress
+    return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, total_steps: int) -> LambdaLR:
+    return LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg))

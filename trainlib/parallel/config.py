@@ -1,0 +1,26 @@
+"""Recipe section [parallelism]: the degrees of the five axes and their options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+
+@dataclass
+class ParallelismConfig:
+    dp_replicate: int = 1
+    dp_shard: int = -1  # -1: all ranks left after the other axes
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    # "default" reshards after forward (saves memory, re-gathers in backward)
+    # except where it is known to be wrong or wasteful; "always"/"never" force it.
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
+    fsdp_cpu_offload: bool = False
+
+    def __post_init__(self) -> None:
+        for key in ("dp_replicate", "cp", "tp", "pp"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"parallelism.{key} must be >= 1, got {getattr(self, key)}")
+        if self.dp_shard < 1 and self.dp_shard != -1:
+            raise ValueError(f"parallelism.dp_shard must be >= 1 or -1 (use the remaining ranks), got {self.dp_shard}")

@@ -1,0 +1,45 @@
+"""FSDP2 / HSDP: shard parameters, gradients and optimizer state over dp_shard x cp,
+replicate over dp_replicate."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+
+def apply_fsdp(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    param_dtype: torch.dtype = torch.float32,
+    reduce_dtype: torch.dtype = torch.float32,
+    reshard_after_forward: bool = True,
+    cpu_offload: bool = False,
+) -> nn.Module:
+    """Wrap each transformer block, then the root, with `fully_shard`.
+
+    `mesh` is 1-D for FSDP and 2-D (replicate, shard) for HSDP. Per-block
+    wrapping is what bounds memory: only one block's full parameters exist at a
+    time. The root group (embedding, final norm, output) is not resharded after
+    forward because backward needs it first.
+
+    Gradients are reduced with SUM, not the default mean: the training loop
+    already divides the loss by the number of tokens in the whole global batch,
+    so a mean over ranks would divide twice.
+    """
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=reduce_dtype)
+    # Pinned memory needs an accelerator; on CPU-only hosts FSDP refuses it.
+    offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
+    kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
+    for block in model.layers.values():
+        fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
+    fully_shard(model, reshard_after_forward=False, **kwargs)
+    for module in model.modules():
+        if isinstance(module, FSDPModule):
+            module.set_gradient_divide_factor(1.0)
+            # Plain SUM collectives: a custom factor otherwise becomes NCCL's
+            # PREMUL_SUM, which gloo does not implement.
+            module.set_force_sum_reduction_for_comms(True)
+    return model

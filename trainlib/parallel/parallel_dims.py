@@ -1,0 +1,146 @@
+"""ParallelDims: the one holder of parallel state.
+
+It validates the five degrees, builds the DeviceMesh once, and hands out named
+sub-meshes. It is passed explicitly to whoever needs a mesh; there are no
+module-level process groups anywhere in trainlib.
+
+Mesh layout, outermost to innermost: pp, dp_replicate, dp_shard, cp, tp.
+tp is innermost because its collectives are the most frequent and belong on the
+fastest links (NVLink within a node); pp is outermost because point-to-point
+activations tolerate the slowest links.
+
+Named meshes handed out by `mesh(name)`:
+  pp, dp_replicate, dp_shard, cp, tp   the five axes
+  dp           dp_replicate x dp_shard   ranks that see different data
+  dp_shard_cp  dp_shard x cp             what FSDP shards parameters over
+  fsdp         (dp_replicate, dp_shard_cp), 2-D, for HSDP
+  dp_cp        dp_replicate x dp_shard x cp   ranks over which the loss and
+               token counts are summed (every rank that holds distinct tokens)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+@dataclass
+class ParallelDims:
+    dp_replicate: int = 1
+    dp_shard: int = -1
+    cp: int = 1
+    tp: int = 1
+    pp: int = 1
+    world_size: int = 1
+    _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        for name in AXES:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise ValueError(f"parallelism.{name} must be an integer, got {value!r}")
+            if value < 1 and not (name == "dp_shard" and value == -1):
+                hint = " (or -1 for 'all remaining ranks')" if name == "dp_shard" else ""
+                raise ValueError(f"parallelism.{name} must be >= 1{hint}, got {value}")
+        others = self.dp_replicate * self.cp * self.tp * self.pp
+        if self.dp_shard == -1:
+            if self.world_size % others:
+                raise ValueError(
+                    f"world size {self.world_size} is not divisible by dp_replicate({self.dp_replicate}) * "
+                    f"cp({self.cp}) * tp({self.tp}) * pp({self.pp}) = {others}, so dp_shard=-1 cannot fill "
+                    f"the rest; change the degrees or the number of processes"
+                )
+            self.dp_shard = self.world_size // others
+        total = others * self.dp_shard
+        if total != self.world_size:
+            raise ValueError(
+                f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) * tp({self.tp}) * "
+                f"pp({self.pp}) = {total} != world size {self.world_size}; make the product equal the number "
+                f"of processes, or set parallelism.dp_shard = -1 to use the remaining ranks"
+            )
+
+    # ---- degrees -------------------------------------------------------------
+    @property
+    def dp(self) -> int:
+        """Data-parallel degree: how many different micro-batches run at once."""
+        return self.dp_replicate * self.dp_shard
+
+    @property
+    def fsdp_enabled(self) -> bool:
+        return self.dp_shard * self.cp > 1
+
+    @property
+    def hsdp_enabled(self) -> bool:
+        return self.dp_replicate > 1
+
+    @property
+    def tp_enabled(self) -> bool:
+        return self.tp > 1
+
+    @property
+    def pp_enabled(self) -> bool:
+        return self.pp > 1
+
+    @property
+    def cp_enabled(self) -> bool:
+        return self.cp > 1
+
+    def degrees(self) -> dict[str, int]:
+        return {name: getattr(self, name) for name in AXES}
+
+    # ---- mesh ------------------------------------------------------------------
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Create every named mesh. Call once, after the process group exists."""
+        if self._meshes:
+            raise RuntimeError("ParallelDims.build_mesh was already called; reuse the meshes it built")
+        if not dist.is_initialized():
+            raise RuntimeError("build_mesh needs an initialised process group (trainlib.distributed.init_distributed)")
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(f"ParallelDims was built for world size {self.world_size}, "
+                             f"but the process group has {dist.get_world_size()} ranks")
+        world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
+        # Each view is an unflattening of the same world mesh, so that the
+        # flattened dims (dp, dp_shard_cp, dp_cp) are first-class meshes rather
+        # than slices of flattened dims, which torch is deprecating.
+        pp, dpr, dps, cp, tp = (self.degrees()[a] for a in AXES)
+        views = [
+            ((pp, dpr, dps, cp, tp), AXES),
+            ((pp, dpr, dps * cp, tp), ("pp", "dp_replicate", "dp_shard_cp", "tp")),
+            ((pp, dpr * dps, cp, tp), ("pp", "dp", "cp", "tp")),
+            ((pp, dpr * dps * cp, tp), ("pp", "dp_cp", "tp")),
+        ]
+        for shape, names in views:
+            view = world._unflatten(0, shape, names)
+            if names == AXES:
+                self._meshes["world"] = view
+            for name in names:
+                self._meshes.setdefault(name, view[name])
+            if "dp_shard_cp" in names:
+                self._meshes["fsdp"] = view["dp_replicate", "dp_shard_cp"]
+        return self._meshes["world"]
+
+    def mesh(self, name: str) -> DeviceMesh:
+        if not self._meshes:
+            raise RuntimeError("call ParallelDims.build_mesh(device_type) before asking for meshes")
+        if name not in self._meshes:
+            raise KeyError(f"no mesh named '{name}'; available: {', '.join(sorted(self._meshes))}")
+        return self._meshes[name]
+
+    @property
+    def world_mesh(self) -> DeviceMesh:
+        return self.mesh("world")
+
+    def fsdp_mesh(self) -> DeviceMesh:
+        """1-D mesh for plain FSDP, 2-D (replicate, shard) for HSDP."""
+        return self.mesh("fsdp") if self.hsdp_enabled else self.mesh("dp_shard_cp")
+
+    def dp_coords(self) -> tuple[int, int]:
+        """(rank, degree) of this process along dp: which slice of each global
+        batch it loads. Ranks that differ only in cp/tp/pp load the same data."""
+        if not self._meshes:
+            return 0, 1
+        return self.mesh("dp").get_local_rank(), self.dp

@@ -1,0 +1,151 @@
+"""Run one recipe under several parallel layouts and compare their loss curves.
+
+    python -m trainlib.parity --recipe recipes/debug.toml --steps 10 \\
+        --layouts dp_shard=2 dp_shard=4 dp_replicate=2,dp_shard=2
+
+Each layout is a comma-separated list of `key=value`; bare keys are
+[parallelism] keys (dp_replicate, dp_shard, cp, tp, pp, pp_schedule, ...), dotted
+keys are any recipe key (e.g. training.local_batch_size=2). Unset degrees are 1.
+Every layout runs through the real CLI (torchrun for more than one process)
+and is compared step by step with a single-process run of the same recipe.
+The same seed and global batch must give the same curve: that is the
+library's core promise, and the tests use this very tool.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass, field
+from pathlib import Path
+
+DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
+
+
+@dataclass
+class LayoutRun:
+    name: str
+    nproc: int
+    losses: list[float]
+    grad_norms: list[float]
+    max_rel_loss: float = 0.0
+    max_rel_grad_norm: float = 0.0
+
+
+@dataclass
+class ParityReport:
+    baseline: LayoutRun
+    runs: list[LayoutRun] = field(default_factory=list)
+
+    @property
+    def max_rel_loss(self) -> float:
+        return max((r.max_rel_loss for r in self.runs), default=0.0)
+
+    @property
+    def max_rel_grad_norm(self) -> float:
+        return max((r.max_rel_grad_norm for r in self.runs), default=0.0)
+
+    def table(self) -> str:
+        head = f"{'step':>4} {'baseline loss':>14} " + " ".join(f"{r.name[:22]:>22}" for r in self.runs)
+        lines = [head, "-" * len(head)]
+        for i, base in enumerate(self.baseline.losses):
+            cells = []
+            for r in self.runs:
+                cells.append(f"{_rel(r.losses[i], base):>22.2e}" if i < len(r.losses) else f"{'missing':>22}")
+            lines.append(f"{i + 1:>4} {base:>14.6f} " + " ".join(cells))
+        lines.append("max relative deviation (loss / grad_norm):")
+        for r in self.runs:
+            lines.append(f"  {r.name:<40} {r.max_rel_loss:.2e} / {r.max_rel_grad_norm:.2e}  ({r.nproc} procs)")
+        return "\n".join(lines)
+
+
+def _rel(x: float, ref: float) -> float:
+    if math.isnan(x) or math.isnan(ref):
+        return math.inf
+    return abs(x - ref) / max(abs(ref), 1e-12)
+
+
+def parse_layout(spec: str) -> tuple[int, list[str]]:
+    """'dp_shard=2,tp=2' -> (nproc 4, ['--parallelism.dp_shard=2', '--parallelism.tp=2', ...])."""
+    degrees = dict.fromkeys(DEGREES, 1)
+    overrides = []
+    for item in filter(None, (s.strip() for s in spec.split(","))):
+        if "=" not in item:
+            raise ValueError(f"layout item '{item}' in '{spec}' is not key=value")
+        key, value = item.split("=", 1)
+        if key in DEGREES:
+            degrees[key] = int(value)
+        overrides.append(f"--{key if '.' in key else 'parallelism.' + key}={value}")
+    for key in DEGREES:  # explicit, so -1 defaults in the recipe cannot change the world size
+        overrides.append(f"--parallelism.{key}={degrees[key]}")
+    return math.prod(degrees.values()), overrides
+
+
+def run_layout(recipe: str | None, spec: str, steps: int, out_dir: Path, extra: list[str] | None = None,
+               timeout: float = 900.0) -> LayoutRun:
+    nproc, overrides = parse_layout(spec)
+    folder = out_dir / (spec.replace(",", "_").replace("=", "") or "single")
+    args = (["--recipe", recipe] if recipe else []) + [
+        f"--training.steps={steps}", "--metrics.log_freq=1", "--metrics.console=false",
+        f"--job.dump_folder={folder}", *(extra or []), *overrides,
+    ]
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "trainlib.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "trainlib.train", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    if proc.returncode != 0:
+        tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
+        raise RuntimeError(f"layout '{spec or 'single'}' failed (exit {proc.returncode}):\n{tail}")
+    records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
+    return LayoutRun(spec or "single", nproc, [r["loss"] for r in records], [r["grad_norm"] for r in records])
+
+
+def run_parity(recipe: str | None, layouts: list[str], steps: int = 10, extra: list[str] | None = None,
+               out_dir: str | os.PathLike | None = None, baseline: str = "") -> ParityReport:
+    with tempfile.TemporaryDirectory(prefix="trainlib-parity-") as tmp:
+        root = Path(out_dir) if out_dir else Path(tmp)
+        report = ParityReport(run_layout(recipe, baseline, steps, root, extra))
+        for spec in layouts:
+            run = run_layout(recipe, spec, steps, root, extra)
+            n = len(report.baseline.losses)
+            if len(run.losses) != n:
+                run.max_rel_loss = run.max_rel_grad_norm = math.inf
+            else:
+                run.max_rel_loss = max(_rel(a, b) for a, b in zip(run.losses, report.baseline.losses))
+                run.max_rel_grad_norm = max(_rel(a, b) for a, b in zip(run.grad_norms, report.baseline.grad_norms))
+            report.runs.append(run)
+        return report
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainlib.parity", description=__doc__.split("\n\n")[0])
+    p.add_argument("--recipe", default="recipes/debug.toml")
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--layouts", nargs="+", required=True, help="e.g. dp_shard=2 dp_shard=2,tp=2")
+    p.add_argument("--baseline", default="", help="layout to compare against (default: one process)")
+    p.add_argument("--tol", type=float, default=1e-5, help="max relative loss deviation accepted")
+    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra recipe overrides for every run")
+    p.add_argument("--out", default=None, help="keep the runs' folders here")
+    a = p.parse_args(argv)
+    extra = [f"--{s.lstrip('-')}" for s in a.set]
+    try:
+        report = run_parity(a.recipe, a.layouts, a.steps, extra, a.out, a.baseline)
+    except (RuntimeError, ValueError) as e:
+        print(f"trainlib.parity: {e}", file=sys.stderr)
+        return 2
+    print(report.table())
+    ok = report.max_rel_loss <= a.tol
+    print(f"{'PASS' if ok else 'FAIL'}: max relative loss deviation {report.max_rel_loss:.2e} (tolerance {a.tol:.0e})")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

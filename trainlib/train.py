@@ -1,0 +1,195 @@
+"""The main job: `torchrun --nproc-per-node=N -m trainlib.train --recipe R [--a.b=v ...]`.
+
+`python -m trainlib.train` without torchrun runs a world of one.
+Setup order: meta-device build, parallelize, materialise + init weights,
+optimizer, data; then the loop, which reads top to bottom.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from trainlib.config import ConfigError, JobConfig, load_job_config, save_config
+from trainlib.config.validate import resolve_local_batch_size, validate_job
+from trainlib.data import PackedDataLoader, build_dataloader, build_tokenizer
+from trainlib.distributed import DistInfo, destroy_distributed, init_distributed, set_collective_timeout
+from trainlib.loss import count_targets, cross_entropy_sum
+from trainlib.metrics import MetricsLogger, setup_logging
+from trainlib.models.llama3 import Transformer, count_params, flops_per_token, get_model_args, parallelize_llama
+from trainlib.optim import build_lr_scheduler, build_optimizer
+from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
+
+logger = logging.getLogger("trainlib")
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+@dataclass
+class Job:
+    """Everything the loop needs, built by `setup` from a JobConfig."""
+
+    cfg: JobConfig
+    info: DistInfo
+    dims: ParallelDims
+    model: nn.Module
+    optimizer: torch.optim.Optimizer
+    scheduler: torch.optim.lr_scheduler.LRScheduler
+    loader: PackedDataLoader
+    metrics: MetricsLogger
+    local_batch_size: int
+    grad_accum: int
+    run_dir: Path
+
+
+def setup(cfg: JobConfig, info: DistInfo) -> Job:
+    """Validate and build. Every user-input error surfaces here, before any
+    step runs, as a ValueError whose message says what to change."""
+    t = cfg.training
+    dims = ParallelDims(world_size=info.world_size, **{
+        k: getattr(cfg.parallelism, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")})
+    tokenizer = build_tokenizer(cfg.tokenizer)
+    model_args = get_model_args(cfg.model.flavor, n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size)
+    validate_job(cfg, dims, model_args, tokenizer.vocab_size)
+    local_bs, grad_accum = resolve_local_batch_size(cfg, dims)
+    dims.build_mesh(info.device.type)
+
+    run_dir = Path(cfg.job.dump_folder)
+    if info.rank == 0:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        save_config(cfg, run_dir / "config.toml")
+
+    with torch.device("meta"):
+        model = Transformer(model_args, rope_len=t.seq_len)
+    n_params = count_params(model)
+    model = parallelize_llama(model, dims, cfg.parallelism, param_dtype=_DTYPES[t.mixed_precision_param],
+                              reduce_dtype=_DTYPES[t.mixed_precision_reduce])
+    init_model_weights(model, t.seed, info.device)
+    model.train()
+
+    optimizer = build_optimizer([model], cfg.optimizer)
+    scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
+    dp_rank, dp_world = dims.dp_coords()
+    loader = build_dataloader(cfg.data, tokenizer, t.seq_len, local_bs, dp_rank, dp_world, t.seed)
+    metrics = MetricsLogger(cfg.metrics, run_dir, rank=info.rank, device=info.device,
+                            flops_per_token=flops_per_token(model_args, t.seq_len), world_size=info.world_size)
+    logger.info(
+        f"world {info.world_size} on {info.device.type} | "
+        + " ".join(f"{k}={v}" for k, v in dims.degrees().items())
+        + f" | model {cfg.model.flavor} {n_params / 1e6:.2f}M params | global batch {t.global_batch_size} x "
+        f"{t.seq_len} tokens = local {local_bs} x dp {dims.dp} x accum {grad_accum} | run dir {run_dir}"
+    )
+    return Job(cfg, info, dims, model, optimizer, scheduler, loader, metrics, local_bs, grad_accum, run_dir)
+
+
+def train_loop(job: Job) -> list[dict]:
+    cfg, t, model, device = job.cfg, job.cfg.training, job.model, job.info.device
+    dp_group = job.dims.mesh("dp").get_group()
+    loss_group = job.dims.mesh("dp_cp").get_group()
+    tokens_per_step = t.global_batch_size * t.seq_len
+    records = []
+    for step in range(1, t.steps + 1):
+        micro_batches = [next(job.loader) for _ in range(job.grad_accum)]
+        # The loss is a mean over every target token of the global batch, so
+        # count them across data-parallel ranks before any backward.
+        n_targets = sum(count_targets(mb["labels"]) for mb in micro_batches).to(device, torch.float32)
+        dist.all_reduce(n_targets, group=dp_group)
+
+        loss_sum = torch.zeros((), device=device)
+        for mb in micro_batches:
+            logits = model(mb["input"].to(device))
+            loss = cross_entropy_sum(logits, mb["labels"].to(device)) / n_targets
+            del logits  # free the largest activation before backward allocates
+            loss.backward()
+            loss_sum += loss.detach()
+
+        grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
+        job.optimizer.step()
+        job.scheduler.step()
+        job.optimizer.zero_grad(set_to_none=True)
+        job.metrics.step_done(tokens_per_step)
+        if step == 1:  # past compilation and first-time allocations
+            set_collective_timeout(cfg.comm.train_timeout_seconds)
+
+        if job.metrics.should_log(step, t.steps):
+            dist.all_reduce(loss_sum, group=loss_group)  # each rank holds its tokens' share
+            records.append(job.metrics.log(step, loss=loss_sum.item(), grad_norm=grad_norm.item(),
+                                           lr=job.scheduler.get_last_lr()[0]))
+    return records
+
+
+def train(cfg: JobConfig) -> list[dict]:
+    """Run a whole job; returns the logged metric records (rank 0's view).
+    Raises ValueError (ConfigError included) for bad input, before training."""
+    info = init_distributed(cfg.comm, cfg.job.device)
+    setup_logging(info.rank)
+    try:
+        try:
+            job = setup(cfg, info)
+        except ConfigError:
+            raise
+        except ValueError as e:  # user input rejected by a component: same clean path as config errors
+            raise ConfigError(str(e)) from e
+        try:
+            return train_loop(job)
+        finally:
+            job.metrics.close()
+    finally:
+        destroy_distributed()
+
+
+USAGE = """usage: [torchrun --nproc-per-node=N] python -m trainlib.train [--recipe FILE.toml] [--section.key=value ...]
+
+Trains a Llama 3 model as the recipe says. Any recipe key can be overridden as
+--section.key=value or --section.key value. Without --recipe the built-in
+defaults run (the debug model on the shipped corpus). Keys:
+"""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        from trainlib.config.loader import describe
+
+        print(USAGE + describe(JobConfig))
+        return 0
+    recipe = None
+    rest = []
+    it = iter(argv)
+    for tok in it:
+        if tok == "--recipe":
+            recipe = next(it, None)
+            if recipe is None:
+                return _user_error("--recipe needs a file path, e.g. --recipe recipes/debug.toml")
+        elif tok.startswith("--recipe="):
+            recipe = tok.split("=", 1)[1]
+        else:
+            rest.append(tok)
+    try:
+        cfg = load_job_config(recipe, rest)
+    except ConfigError as e:
+        return _user_error(str(e))
+    try:
+        train(cfg)
+    except ConfigError as e:
+        return _user_error(str(e))
+    return 0
+
+
+def _user_error(msg: str) -> int:
+    import os
+
+    # One line per node is enough; the same config fails the same on every rank.
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        print(f"trainlib: error: {msg}", file=sys.stderr, flush=True)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
