@@ -38,7 +38,7 @@ class Job:
     cfg: JobConfig
     info: DistInfo
     dims: ParallelDims
-    model: nn.Module
+    model_parts: list[nn.Module]  # one model, or this rank's pipeline stages
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     loader: PackedDataLoader
@@ -85,11 +85,26 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
         + f" | model {cfg.model.flavor} {n_params / 1e6:.2f}M params | global batch {t.global_batch_size} x "
         f"{t.seq_len} tokens = local {local_bs} x dp {dims.dp} x accum {grad_accum} | run dir {run_dir}"
     )
-    return Job(cfg, info, dims, model, optimizer, scheduler, loader, metrics, local_bs, grad_accum, run_dir)
+    return Job(cfg, info, dims, [model], optimizer, scheduler, loader, metrics, local_bs, grad_accum, run_dir)
+
+
+def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tensor) -> torch.Tensor:
+    """Forward and backward over one step's micro-batches; returns this rank's
+    share of the global mean loss (summing it over dp_cp gives the loss)."""
+    (model,) = job.model_parts
+    device = job.info.device
+    loss_sum = torch.zeros((), device=device)
+    for mb in micro_batches:
+        logits = model(mb["input"].to(device))
+        loss = cross_entropy_sum(logits, mb["labels"].to(device)) / n_targets
+        del logits  # free the largest activation before backward allocates
+        loss.backward()
+        loss_sum += loss.detach()
+    return loss_sum
 
 
 def train_loop(job: Job) -> list[dict]:
-    cfg, t, model, device = job.cfg, job.cfg.training, job.model, job.info.device
+    cfg, t, device = job.cfg, job.cfg.training, job.info.device
     dp_group = job.dims.mesh("dp").get_group()
     loss_group = job.dims.mesh("dp_cp").get_group()
     tokens_per_step = t.global_batch_size * t.seq_len
@@ -101,15 +116,8 @@ def train_loop(job: Job) -> list[dict]:
         n_targets = sum(count_targets(mb["labels"]) for mb in micro_batches).to(device, torch.float32)
         dist.all_reduce(n_targets, group=dp_group)
 
-        loss_sum = torch.zeros((), device=device)
-        for mb in micro_batches:
-            logits = model(mb["input"].to(device))
-            loss = cross_entropy_sum(logits, mb["labels"].to(device)) / n_targets
-            del logits  # free the largest activation before backward allocates
-            loss.backward()
-            loss_sum += loss.detach()
-
-        grad_norm = clip_grad_norm_(model.parameters(), t.max_norm)
+        loss_sum = forward_backward(job, micro_batches, n_targets)
+        grad_norm = clip_grad_norm_([p for m in job.model_parts for p in m.parameters()], t.max_norm)
         job.optimizer.step()
         job.scheduler.step()
         job.optimizer.zero_grad(set_to_none=True)
