@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     for tok in it:
         if tok == "--recipe":
             recipe = next(it, None)
-            if recipe is None:
+            if recipe is None or recipe.startswith("--"):
                 return _user_error("--recipe needs a file path, e.g. --recipe recipes/debug.toml")
         elif tok.startswith("--recipe="):
             recipe = tok.split("=", 1)[1]

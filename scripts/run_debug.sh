@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# Install trainlib and train the tiny debug Llama on the shipped corpus, offline.
+# Usage: bash scripts/run_debug.sh [NPROC] [--section.key=value ...]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+python -m pip install -q "torch==2.13.0"
+python -m pip install -q -e .
+export OMP_NUM_THREADS=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
+nproc=1
+if [[ "${1:-}" =~ ^[0-9]+$ ]]; then nproc=$1; shift; fi
+if [ "$nproc" -eq 1 ]; then
+  exec python -m trainlib.train --recipe recipes/debug.toml "$@"
+fi
+exec torchrun --standalone --nproc-per-node="$nproc" -m trainlib.train --recipe recipes/debug.toml "$@"
