@@ -47,17 +47,13 @@ def _check_mesh(rank, world):
         dims.build_mesh("cpu")
 
 
-def _check_hsdp_mesh(rank, world):
-    dims = ParallelDims(dp_replicate=2, dp_shard=2, world_size=world)
-    dims.build_mesh("cpu")
-    mesh = dims.fsdp_mesh()
+    # A second ParallelDims in the same job (e.g. an eval layout) is independent.
+    hsdp = ParallelDims(dp_replicate=2, dp_shard=2, world_size=world)
+    hsdp.build_mesh("cpu")
+    mesh = hsdp.fsdp_mesh()
     assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard_cp") and tuple(mesh.shape) == (2, 2)
-    assert dims.dp_coords() == (rank, 4)
+    assert hsdp.dp_coords() == (rank, 4)
 
 
 def test_mesh_views_on_4_ranks():
     spawn(_check_mesh, 4)
-
-
-def test_hsdp_mesh_on_4_ranks():
-    spawn(_check_hsdp_mesh, 4)

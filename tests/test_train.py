@@ -44,6 +44,14 @@ def test_outputs_metrics_contract_and_config(tmp_path):
     assert reloaded.training.steps == 30
 
 
+def test_bf16_mixed_precision_runs_close_to_fp32(tmp_path):
+    fp32 = train(_cfg(tmp_path / "a", "--training.steps=4"))
+    bf16 = train(_cfg(tmp_path / "b", "--training.steps=4", "--training.mixed_precision_param=bfloat16"))
+    for a, b in zip(fp32, bf16):
+        assert a["loss"] != b["loss"]  # really ran in another precision
+        assert math.isclose(a["loss"], b["loss"], rel_tol=2e-2)
+
+
 def test_loss_is_token_weighted_global_mean():
     # Two micro-batches with different numbers of targets: summing per-token
     # losses and dividing once by the global count is the true mean; averaging
