@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# Start trainlib on this node: one torchrun per node, every node runs this same script.
+#
+#   scripts/launch.sh --recipe recipes/llama3_8b.toml [--section.key=value ...]          # one node
+#   NNODES=4 MASTER_ADDR=node0 scripts/launch.sh --recipe recipes/llama3_70b.toml         # on each of 4 nodes
+#
+# Environment (all optional):
+#   NNODES          number of nodes (default 1)
+#   NPROC_PER_NODE  processes per node (default: number of visible GPUs, else 1)
+#   MASTER_ADDR     host of the c10d rendezvous, reachable from every node (multi-node only)
+#   MASTER_PORT     its port (default 29500)
+#   RDZV_ID         job id shared by the nodes (default: SLURM_JOB_ID, else "trainlib")
+#   MAX_RESTARTS    torchrun restarts after a worker failure (default 0); the job resumes
+#                   from its latest complete checkpoint
+# Ranks are assigned by the rendezvous, so nodes need no NODE_RANK.
+set -euo pipefail
+
+NNODES=${NNODES:-1}
+if [ -z "${NPROC_PER_NODE:-}" ]; then
+  NPROC_PER_NODE=$(python -c "import torch; print(max(torch.cuda.device_count(), 1))")
+fi
+MASTER_PORT=${MASTER_PORT:-29500}
+RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-trainlib}}
+MAX_RESTARTS=${MAX_RESTARTS:-0}
+# One OpenMP thread per rank unless asked otherwise: ranks share the node's cores.
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
+
+if [ "$NNODES" -eq 1 ]; then
+  exec python -m torch.distributed.run --standalone --nproc-per-node="$NPROC_PER_NODE" \
+    --max-restarts="$MAX_RESTARTS" -m trainlib.train "$@"
+fi
+if [ -z "${MASTER_ADDR:-}" ]; then
+  echo "launch.sh: NNODES=$NNODES needs MASTER_ADDR (a host every node can reach, e.g. the first node)" >&2
+  exit 2
+fi
+exec python -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
+  --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$RDZV_ID" \
+  --max-restarts="$MAX_RESTARTS" -m trainlib.train "$@"
