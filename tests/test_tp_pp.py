@@ -169,3 +169,17 @@ def test_parity_tp_pp_all_layouts():
         "pp=2,dp_shard=2,tp=2,pp_schedule=Interleaved1F1B",  # 3-D
     ]
     _assert_parity(run_parity(DEBUG, layouts, steps=10))
+
+
+@pytest.mark.parametrize("recipe, world, degrees", [
+    ("llama3_8b", 8, {"dp_shard": 8, "tp": 1, "pp": 1}),
+    ("llama3_70b", 64, {"dp_shard": 8, "tp": 8, "pp": 1}),
+    ("llama3_405b", 512, {"dp_shard": 8, "tp": 8, "pp": 8}),
+])
+def test_llama3_recipes_pass_the_tp_pp_rules(recipe, world, degrees):
+    cfg = load_job_config(str(RECIPES / f"{recipe}.toml"))
+    par = cfg.parallelism
+    dims = ParallelDims(world_size=world, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, cp=par.cp,
+                        tp=par.tp, pp=par.pp)
+    validate_job(cfg, dims, get_model_args(cfg.model.flavor), 128256)
+    assert {k: dims.degrees()[k] for k in degrees} == degrees
