@@ -118,7 +118,7 @@ def _check_init_one(world, layout):
     with torch.device("meta"):
         model = Transformer(args, rope_len=64)
     if dims.pp_enabled:
-        parts = pp_lib.build_pipeline(model, dims, par, 2, torch.device("cpu"),
+        parts = pp_lib.build_pipeline(model, dims, par, torch.device("cpu"),
                                       lambda m: parallelize_llama(m, dims, par)).model_parts
     else:
         parts = [parallelize_llama(model, dims, par)]

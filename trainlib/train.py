@@ -71,13 +71,14 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     with torch.device("meta"):
         model = Transformer(model_args, rope_len=t.seq_len)
     n_params = count_params(model)
+
     def parallelize(m: nn.Module) -> nn.Module:
         return parallelize_llama(m, dims, cfg.parallelism, param_dtype=_DTYPES[t.mixed_precision_param],
                                  reduce_dtype=_DTYPES[t.mixed_precision_reduce])
 
     pipeline = None
     if dims.pp_enabled:  # this rank's stages, each parallelized like a whole model
-        pipeline = build_pipeline(model, dims, cfg.parallelism, local_bs, info.device, parallelize)
+        pipeline = build_pipeline(model, dims, cfg.parallelism, info.device, parallelize)
     model_parts = pipeline.model_parts if pipeline else [parallelize(model)]
     for part in model_parts:
         init_model_weights(part, t.seed, info.device)

@@ -108,4 +108,4 @@ def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -
     if sched in pp_lib.ZERO_BUBBLE_SCHEDULES and par.fsdp_reshard_after_forward == "always":
         raise ConfigError(
             f"parallelism.pp_schedule '{sched}' with fsdp_reshard_after_forward = 'always' trains silently wrong "
-            f"(split weight-gradient passes run on resharded parameters); use 'default' or 'never'")
+            f"on torch 2.13 (loss off by ~2e-2 from step 2); use 'default' (False under PP) or 'never'")

@@ -164,7 +164,7 @@ def pipeline_llama(
     return pipe
 
 
-def build_pipeline(model: nn.Module, parallel_dims, parallelism, local_batch_size: int, device: torch.device,
+def build_pipeline(model: nn.Module, parallel_dims, parallelism, device: torch.device,
                    parallelize: Callable[[nn.Module], nn.Module]) -> Pipeline:
     """`pipeline_llama` with the recipe's [parallelism] settings (validated by `validate_job`)."""
     sched = parallelism.pp_schedule

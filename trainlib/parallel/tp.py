@@ -114,6 +114,7 @@ def _enable_async_tp(tp_mesh: DeviceMesh) -> None:
         raise ValueError(
             f"parallelism.tp_async needs CUDA devices (symmetric memory), but the mesh is on "
             f"'{tp_mesh.device_type}'; set parallelism.tp_async = false")
+    import torch._inductor.config
     from torch.distributed._symmetric_memory import enable_symm_mem_for_group
 
     torch._inductor.config._micro_pipeline_tp = True
