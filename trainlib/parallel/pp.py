@@ -160,7 +160,10 @@ def pipeline_llama(
                     has_last=any(s.is_last for s in stages))
     cls = schedule_class(schedule)
     sched_stages = stages[0] if schedule in SINGLE_STAGE_SCHEDULES else stages
-    pipe.schedule = cls(sched_stages, n_microbatches=n_microbatches, loss_fn=pipe.loss_fn, scale_grads=False)
+    try:
+        pipe.schedule = cls(sched_stages, n_microbatches=n_microbatches, loss_fn=pipe.loss_fn, scale_grads=False)
+    except RuntimeError as e:  # torch's setup rules (e.g. zero-bubble refuses compiled stages): a user error
+        raise ValueError(f"parallelism.pp_schedule '{schedule}' cannot run this setup: {e}") from e
     return pipe
 
 
