@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 IGNORE_INDEX = -100
 
@@ -15,9 +16,12 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
     Averaging per micro-batch or per rank instead would weight tokens unequally
     whenever micro-batches hold different numbers of targets.
     """
-    return F.cross_entropy(
+    loss = F.cross_entropy(
         logits.flatten(0, 1).float(), labels.flatten(), reduction="sum", ignore_index=IGNORE_INDEX
     )
+    # Vocab-sharded logits (tensor parallel's loss parallelism, inside
+    # `loss_parallel()`) give a DTensor that every TP rank holds in full.
+    return loss.full_tensor() if isinstance(loss, DTensor) else loss
 
 
 def count_targets(labels: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,8 @@ from trainlib.metrics import MetricsLogger, setup_logging
 from trainlib.models.llama3 import Transformer, count_params, flops_per_token, get_model_args, parallelize_llama
 from trainlib.optim import build_lr_scheduler, build_optimizer
 from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
+from trainlib.parallel.pp import Pipeline, build_pipeline
+from trainlib.parallel.tp import loss_context
 
 logger = logging.getLogger("trainlib")
 
@@ -46,6 +48,7 @@ class Job:
     local_batch_size: int
     grad_accum: int
     run_dir: Path
+    pipeline: Pipeline | None = None  # set under pipeline parallelism
 
 
 def setup(cfg: JobConfig, info: DistInfo) -> Job:
@@ -68,12 +71,20 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     with torch.device("meta"):
         model = Transformer(model_args, rope_len=t.seq_len)
     n_params = count_params(model)
-    model = parallelize_llama(model, dims, cfg.parallelism, param_dtype=_DTYPES[t.mixed_precision_param],
-                              reduce_dtype=_DTYPES[t.mixed_precision_reduce])
-    init_model_weights(model, t.seed, info.device)
-    model.train()
 
-    optimizer = build_optimizer([model], cfg.optimizer)
+    def parallelize(m: nn.Module) -> nn.Module:
+        return parallelize_llama(m, dims, cfg.parallelism, param_dtype=_DTYPES[t.mixed_precision_param],
+                                 reduce_dtype=_DTYPES[t.mixed_precision_reduce])
+
+    pipeline = None
+    if dims.pp_enabled:  # this rank's stages, each parallelized like a whole model
+        pipeline = build_pipeline(model, dims, cfg.parallelism, info.device, parallelize)
+    model_parts = pipeline.model_parts if pipeline else [parallelize(model)]
+    for part in model_parts:
+        init_model_weights(part, t.seed, info.device)
+        part.train()
+
+    optimizer = build_optimizer(model_parts, cfg.optimizer)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     dp_rank, dp_world = dims.dp_coords()
     loader = build_dataloader(cfg.data, tokenizer, t.seq_len, local_bs, dp_rank, dp_world, t.seed)
@@ -85,21 +96,26 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
         + f" | model {cfg.model.flavor} {n_params / 1e6:.2f}M params | global batch {t.global_batch_size} x "
         f"{t.seq_len} tokens = local {local_bs} x dp {dims.dp} x accum {grad_accum} | run dir {run_dir}"
     )
-    return Job(cfg, info, dims, [model], optimizer, scheduler, loader, metrics, local_bs, grad_accum, run_dir)
+    return Job(cfg, info, dims, model_parts, optimizer, scheduler, loader, metrics, local_bs, grad_accum, run_dir,
+               pipeline)
 
 
 def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tensor) -> torch.Tensor:
     """Forward and backward over one step's micro-batches; returns this rank's
-    share of the global mean loss (summing it over dp_cp gives the loss)."""
-    (model,) = job.model_parts
+    share of the global mean loss (summing it over dp_cp, and pp, gives the loss)."""
     device = job.info.device
-    loss_sum = torch.zeros((), device=device)
-    for mb in micro_batches:
-        logits = model(mb["input"].to(device))
-        loss = cross_entropy_sum(logits, mb["labels"].to(device)) / n_targets
-        del logits  # free the largest activation before backward allocates
-        loss.backward()
-        loss_sum += loss.detach()
+    # Vocab-sharded logits under TP: the loss's forward and backward run on shards.
+    with loss_context(job.dims.tp_enabled and job.cfg.parallelism.tp_loss_parallel):
+        if job.pipeline is not None:
+            return job.pipeline.step(micro_batches, n_targets, device)
+        (model,) = job.model_parts
+        loss_sum = torch.zeros((), device=device)
+        for mb in micro_batches:
+            logits = model(mb["input"].to(device))
+            loss = cross_entropy_sum(logits, mb["labels"].to(device)) / n_targets
+            del logits  # free the largest activation before backward allocates
+            loss.backward()
+            loss_sum += loss.detach()
     return loss_sum
 
 
@@ -107,6 +123,7 @@ def train_loop(job: Job) -> list[dict]:
     cfg, t, device = job.cfg, job.cfg.training, job.info.device
     dp_group = job.dims.mesh("dp").get_group()
     loss_group = job.dims.mesh("dp_cp").get_group()
+    pp_mesh = job.dims.mesh("pp") if job.dims.pp_enabled else None
     tokens_per_step = t.global_batch_size * t.seq_len
     records = []
     for step in range(1, t.steps + 1):
@@ -117,7 +134,7 @@ def train_loop(job: Job) -> list[dict]:
         dist.all_reduce(n_targets, group=dp_group)
 
         loss_sum = forward_backward(job, micro_batches, n_targets)
-        grad_norm = clip_grad_norm_([p for m in job.model_parts for p in m.parameters()], t.max_norm)
+        grad_norm = clip_grad_norm_([p for m in job.model_parts for p in m.parameters()], t.max_norm, pp_mesh)
         job.optimizer.step()
         job.scheduler.step()
         job.optimizer.zero_grad(set_to_none=True)
@@ -127,6 +144,8 @@ def train_loop(job: Job) -> list[dict]:
 
         if job.metrics.should_log(step, t.steps):
             dist.all_reduce(loss_sum, group=loss_group)  # each rank holds its tokens' share
+            if pp_mesh is not None:  # only last-stage ranks computed a loss; the others hold 0
+                dist.all_reduce(loss_sum, group=pp_mesh.get_group())
             records.append(job.metrics.log(step, loss=loss_sum.item(), grad_norm=grad_norm.item(),
                                            lr=job.scheduler.get_last_lr()[0]))
     return records

@@ -45,3 +45,67 @@ def validate_job(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs, toke
             f"every pipeline stage needs at least one layer"
         )
     resolve_local_batch_size(cfg, dims)
+    _validate_tp_pp(cfg, dims, model_args)
+
+
+def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -> None:
+    """Tensor- and pipeline-parallel rules (trainlib.parallel.tp / .pp)."""
+    from trainlib.parallel import pp as pp_lib
+
+    par, tp = cfg.parallelism, dims.tp
+    if model_args.tie_embeddings and (dims.tp_enabled or dims.pp_enabled):
+        raise ConfigError(
+            f"model.flavor '{cfg.model.flavor}' ties the embedding and output weights, which tensor and "
+            f"pipeline parallelism do not support (tp={dims.tp}, pp={dims.pp}); use tp=1 and pp=1 with this flavor")
+    if dims.tp_enabled:
+        for what, value in (("n_heads", model_args.n_heads), ("n_kv_heads", model_args.n_kv_heads),
+                            ("ffn_dim", model_args.ffn_dim), ("vocab_size", model_args.vocab_size)):
+            if value % tp:
+                raise ConfigError(
+                    f"model {what} ({value}) must be divisible by parallelism.tp ({tp}): each TP rank owns "
+                    f"1/tp of them{' (GQA: kv heads are not replicated)' if what == 'n_kv_heads' else ''}; "
+                    f"choose tp dividing {value}")
+        if par.tp_sequence_parallel and cfg.training.seq_len % tp:
+            raise ConfigError(
+                f"training.seq_len ({cfg.training.seq_len}) must be divisible by parallelism.tp ({tp}) under "
+                f"sequence parallelism; change seq_len or set parallelism.tp_sequence_parallel = false")
+        if par.tp_async:
+            import torch
+
+            on_cuda = cfg.job.device == "cuda" or (cfg.job.device == "auto" and torch.cuda.is_available())
+            if not on_cuda:
+                raise ConfigError(
+                    "parallelism.tp_async overlaps TP collectives through CUDA symmetric memory and "
+                    "torch.compile; it is not supported on CPU; set parallelism.tp_async = false")
+    if not dims.pp_enabled:
+        return
+    sched, n_layers = par.pp_schedule, model_args.n_layers
+    per_rank = pp_lib.stages_per_rank(sched, par.pp_stages_per_rank)
+    if sched in pp_lib.SINGLE_STAGE_SCHEDULES and per_rank != 1:
+        raise ConfigError(f"parallelism.pp_schedule '{sched}' runs one stage per rank, but pp_stages_per_rank = "
+                          f"{per_rank}; unset it or pick Interleaved1F1B/LoopedBFS/InterleavedZeroBubble")
+    if sched in pp_lib.V_SCHEDULES and per_rank != 2:
+        raise ConfigError(f"parallelism.pp_schedule '{sched}' is V-shaped and needs exactly 2 stages per rank, "
+                          f"but pp_stages_per_rank = {per_rank}; unset it")
+    n_stages = dims.pp * per_rank
+    counts = par.pp_layers_per_stage
+    if counts:
+        if len(counts) != n_stages or sum(counts) != n_layers or min(counts) < 0 or min(counts[1:-1], default=1) < 1:
+            raise ConfigError(
+                f"parallelism.pp_layers_per_stage {counts} must give one count per stage (pp {dims.pp} x "
+                f"{per_rank} per rank = {n_stages}) summing to the {n_layers} layers, >= 1 except on the first "
+                f"and last stage; e.g. {pp_lib.layers_per_stage(n_layers, n_stages)}")
+    elif n_layers < n_stages:
+        raise ConfigError(
+            f"{n_stages} pipeline stages (pp {dims.pp} x {per_rank} per rank) but only {n_layers} layers; "
+            f"lower parallelism.pp or pp_stages_per_rank")
+    local_bs, _ = resolve_local_batch_size(cfg, dims)
+    n_mb = par.pp_microbatches or n_stages
+    if local_bs % n_mb:
+        raise ConfigError(
+            f"the local batch ({local_bs} sequences) must split into parallelism.pp_microbatches ({n_mb}) "
+            f"equal pipeline micro-batches; set pp_microbatches to a divisor of {local_bs} or change the batch")
+    if sched in pp_lib.ZERO_BUBBLE_SCHEDULES and par.fsdp_reshard_after_forward == "always":
+        raise ConfigError(
+            f"parallelism.pp_schedule '{sched}' with fsdp_reshard_after_forward = 'always' trains silently wrong "
+            f"on torch 2.13 (loss off by ~2e-2 from step 2); use 'default' (False under PP) or 'never'")

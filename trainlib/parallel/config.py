@@ -17,10 +17,23 @@ class ParallelismConfig:
     # except where it is known to be wrong or wasteful; "always"/"never" force it.
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     fsdp_cpu_offload: bool = False
+    # Tensor parallel (trainlib.parallel.tp); see docs/tensor_parallel.md.
+    tp_sequence_parallel: bool = True
+    tp_loss_parallel: bool = True
+    tp_async: bool = False  # CUDA + torch.compile only
+    # Pipeline parallel (trainlib.parallel.pp); see docs/pipeline_parallel.md.
+    pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
+                         "ZBVZeroBubble", "DualPipeV"] = "1F1B"
+    pp_microbatches: int | None = None  # per local batch; default: the number of stages
+    pp_stages_per_rank: int | None = None  # default: 1 for GPipe/1F1B, 2 for the others
+    pp_layers_per_stage: list[int] | None = None  # one count per stage; default: even split
 
     def __post_init__(self) -> None:
         for key in ("dp_replicate", "cp", "tp", "pp"):
             if getattr(self, key) < 1:
                 raise ValueError(f"parallelism.{key} must be >= 1, got {getattr(self, key)}")
+        for key in ("pp_microbatches", "pp_stages_per_rank"):
+            if getattr(self, key) is not None and getattr(self, key) < 1:
+                raise ValueError(f"parallelism.{key} must be >= 1 (or unset for the default), got {getattr(self, key)}")
         if self.dp_shard < 1 and self.dp_shard != -1:
             raise ValueError(f"parallelism.dp_shard must be >= 1 or -1 (use the remaining ranks), got {self.dp_shard}")

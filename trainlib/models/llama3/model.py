@@ -159,6 +159,7 @@ class Attention(nn.Module):
         q = self.wq(x).view(b, s, -1, self.head_dim)
         k = self.wk(x).view(b, s, -1, self.head_dim)
         v = self.wv(x).view(b, s, -1, self.head_dim)
+        rope = rope[:s] if rope.dim() == 3 else rope  # [max_len, ...] table or per-token [b, s, ...]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
         out = self.sdpa(q, k, v)
@@ -215,9 +216,10 @@ class Transformer(nn.Module):
         default 0..s-1. Returns logits [b, s, vocab] (or hidden states on a
         non-last pipeline stage)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        # The table is indexed by the *global* sequence length, so it stays
-        # right when a parallel plan shards activations along the sequence.
-        rope = self.rope[position_ids] if position_ids is not None else self.rope[: h.shape[1]]
+        # The whole table is passed down and sliced in Attention, where the
+        # sequence is whole: under sequence parallelism `h` here holds only
+        # this rank's slice of the sequence.
+        rope = self.rope[position_ids] if position_ids is not None else self.rope
         for layer in self.layers.values():
             h = layer(h, rope)
         h = self.norm(h) if self.norm is not None else h

@@ -19,6 +19,7 @@ from torch import nn
 from trainlib.parallel.config import ParallelismConfig
 from trainlib.parallel.fsdp import apply_fsdp
 from trainlib.parallel.parallel_dims import ParallelDims
+from trainlib.parallel.tp import apply_tp
 
 
 def parallelize_llama(
@@ -29,6 +30,9 @@ def parallelize_llama(
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
+    if parallel_dims.tp_enabled:
+        apply_tp(model, parallel_dims.mesh("tp"), sequence_parallel=parallelism.tp_sequence_parallel,
+                 loss_parallel=parallelism.tp_loss_parallel, async_tp=parallelism.tp_async)
     # Data parallelism is applied whenever more than one rank holds distinct
     # tokens, and also on one rank when a lower parameter precision is asked:
     # FSDP's mixed-precision policy is the one place that casts parameters.

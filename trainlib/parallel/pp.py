@@ -1,0 +1,181 @@
+"""Pipeline parallelism: split the model into stages by layers and run a
+torch.distributed.pipelining schedule over the `pp` mesh.
+
+A stage is a copy of the (meta-device) model with the blocks it does not own
+deleted and, except on the first/last stage, no embedding / final norm /
+output. Parameter names stay those of the whole model, so initialisation and
+checkpoints do not depend on the split. Each stage is then parallelized
+(TP, FSDP, ...) like a whole model.
+
+Stage placement: with S stages per rank over P ranks there are P*S stages.
+"Loop" placement puts stage i on rank i % P (GPipe, 1F1B with S=1;
+Interleaved1F1B, LoopedBFS, InterleavedZeroBubble with S>=1); "V" placement
+(ZBVZeroBubble, DualPipeV, S=2) puts stages r and 2P-1-r on rank r, so the
+first and last stage share rank 0.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.pipelining import (
+    PipelineStage,
+    Schedule1F1B,
+    ScheduleDualPipeV,
+    ScheduleGPipe,
+    ScheduleInterleaved1F1B,
+    ScheduleInterleavedZeroBubble,
+    ScheduleLoopedBFS,
+    ScheduleZBVZeroBubble,
+)
+
+from trainlib.loss import cross_entropy_sum
+
+SCHEDULES = {
+    "GPipe": ScheduleGPipe,
+    "1F1B": Schedule1F1B,
+    "Interleaved1F1B": ScheduleInterleaved1F1B,
+    "LoopedBFS": ScheduleLoopedBFS,
+    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
+    "ZBVZeroBubble": ScheduleZBVZeroBubble,
+    "DualPipeV": ScheduleDualPipeV,
+}
+SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
+V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+# These split backward into input-grad and weight-grad passes run at different
+# times. Measured on torch 2.13: combined with FSDP reshard_after_forward=True
+# they train silently wrong from step 2, so that combination is refused.
+ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
+
+
+def schedule_class(name: str) -> type:
+    if name not in SCHEDULES:
+        raise ValueError(f"unknown parallelism.pp_schedule '{name}'; valid: {', '.join(SCHEDULES)}")
+    return SCHEDULES[name]
+
+
+def stages_per_rank(schedule: str, given: int | None) -> int:
+    if given is not None:
+        return given
+    return 1 if schedule in SINGLE_STAGE_SCHEDULES else 2
+
+
+def layers_per_stage(n_layers: int, n_stages: int, given: list[int] | None = None) -> list[int]:
+    """Layer counts per stage. Default: even split, with the remainder going to
+    the middle stages first, because the first and last stages also run the
+    embedding and the output projection + loss."""
+    if given:
+        return list(given)
+    base, extra = divmod(n_layers, n_stages)
+    counts = [base] * n_stages
+    preference = list(range(1, n_stages - 1)) + [n_stages - 1, 0]
+    for i in preference[:extra]:
+        counts[i] += 1
+    return counts
+
+
+def stage_ids(pp_rank: int, pp: int, n_per_rank: int, schedule: str) -> list[int]:
+    """Global indices of the stages that pipeline rank `pp_rank` runs."""
+    if schedule in V_SCHEDULES:
+        return [pp_rank, 2 * pp - 1 - pp_rank]
+    return [pp_rank + k * pp for k in range(n_per_rank)]
+
+
+def split_stage(model: nn.Module, first_layer: int, n_layers: int, is_first: bool, is_last: bool) -> nn.Module:
+    """A copy of `model` (on meta) that keeps only blocks first_layer .. first_layer+n_layers-1."""
+    part = copy.deepcopy(model)
+    keep = {str(i) for i in range(first_layer, first_layer + n_layers)}
+    for name in list(part.layers.keys()):
+        if name not in keep:
+            del part.layers[name]
+    if not is_first:
+        part.tok_embeddings = None
+    if not is_last:
+        part.norm = None
+        part.output = None
+    return part
+
+
+@dataclass
+class Pipeline:
+    """This rank's stages and the schedule that runs them."""
+
+    schedule: object
+    stages: list[PipelineStage]
+    model_parts: list[nn.Module]
+    has_first: bool
+    has_last: bool
+    _n_targets: torch.Tensor | None = field(default=None, repr=False)
+
+    def loss_fn(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        # Per pipeline micro-batch, divided by the token count of the whole
+        # global batch: the sum over micro-batches and ranks is the global mean,
+        # as without PP. Hence the schedule is built with scale_grads=False.
+        return cross_entropy_sum(output, labels) / self._n_targets
+
+    def step(self, micro_batches: list[dict], n_targets: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """Forward + backward of the micro-batches (one schedule run each);
+        returns this rank's share of the loss (0 on ranks without the last stage)."""
+        self._n_targets = n_targets
+        loss_sum = torch.zeros((), device=device)
+        for mb in micro_batches:
+            args = (mb["input"].to(device),) if self.has_first else ()
+            labels = mb["labels"].to(device) if self.has_last else None
+            losses: list[torch.Tensor] = []
+            self.schedule.step(*args, target=labels, losses=losses, return_outputs=False)
+            if self.has_last:
+                loss_sum += torch.stack([loss.detach() for loss in losses]).sum()
+        return loss_sum
+
+
+def pipeline_llama(
+    model: nn.Module,
+    pp_mesh: DeviceMesh,
+    *,
+    schedule: str,
+    n_microbatches: int,
+    n_stages_per_rank: int,
+    layer_counts: list[int],
+    device: torch.device,
+    parallelize: Callable[[nn.Module], nn.Module],
+) -> Pipeline:
+    """Split `model` (meta device) into this rank's stages, parallelize each
+    with `parallelize`, and build the schedule. Weights are initialised
+    afterwards, per stage, by the caller (`init_model_weights`)."""
+    pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
+    n_stages = pp * n_stages_per_rank
+    starts = [sum(layer_counts[:i]) for i in range(n_stages)]
+    stages, parts = [], []
+    for sid in stage_ids(pp_rank, pp, n_stages_per_rank, schedule):
+        part = split_stage(model, starts[sid], layer_counts[sid], sid == 0, sid == n_stages - 1)
+        part = parallelize(part)
+        parts.append(part)
+        stages.append(PipelineStage(part, sid, n_stages, device, group=pp_mesh.get_group()))
+    pipe = Pipeline(None, stages, parts, has_first=any(s.is_first for s in stages),
+                    has_last=any(s.is_last for s in stages))
+    cls = schedule_class(schedule)
+    sched_stages = stages[0] if schedule in SINGLE_STAGE_SCHEDULES else stages
+    try:
+        pipe.schedule = cls(sched_stages, n_microbatches=n_microbatches, loss_fn=pipe.loss_fn, scale_grads=False)
+    except RuntimeError as e:  # torch's setup rules (e.g. zero-bubble refuses compiled stages): a user error
+        raise ValueError(f"parallelism.pp_schedule '{schedule}' cannot run this setup: {e}") from e
+    return pipe
+
+
+def build_pipeline(model: nn.Module, parallel_dims, parallelism, device: torch.device,
+                   parallelize: Callable[[nn.Module], nn.Module]) -> Pipeline:
+    """`pipeline_llama` with the recipe's [parallelism] settings (validated by `validate_job`)."""
+    sched = parallelism.pp_schedule
+    per_rank = stages_per_rank(sched, parallelism.pp_stages_per_rank)
+    n_stages = parallel_dims.pp * per_rank
+    return pipeline_llama(
+        model, parallel_dims.mesh("pp"), schedule=sched,
+        n_microbatches=parallelism.pp_microbatches or n_stages, n_stages_per_rank=per_rank,
+        layer_counts=layers_per_stage(model.args.n_layers, n_stages, parallelism.pp_layers_per_stage),
+        device=device, parallelize=parallelize,
+    )
