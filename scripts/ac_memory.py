@@ -1,0 +1,66 @@
+"""Activation memory of each activation-checkpointing mode, measured on CPU.
+
+    python scripts/ac_memory.py [--flavor debug] [--batch 8] [--seq 256] [--n_layers N]
+
+Runs one forward+backward of the model under torch's MemTracker (it accounts
+every tensor allocation by category) and prints peak memory per mode, with the
+activation share, plus the wall time of the step (MemTracker slows it a lot;
+times compare modes only). Parameters and gradients are the same in every
+mode, so the differences are activations.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+from torch.distributed._tools.mem_tracker import MemTracker
+
+from trainlib.loss import cross_entropy_sum
+from trainlib.models.llama3 import Transformer, get_model_args
+from trainlib.parallel.ac import apply_ac
+
+CONFIGS = [("none", "all_mm"), ("full", "all_mm"), ("selective_layer", "all_mm"),
+           ("selective_op", "all_mm"), ("selective_op", "every_other_mm")]
+
+
+def measure(flavor: str, batch: int, seq: int, n_layers: int | None, mode: str, policy: str, every_k: int = 2):
+    """(peak MiB total, peak MiB of activations, seconds) of one training step."""
+    args = get_model_args(flavor, n_layers=n_layers)
+    model = Transformer(args, rope_len=seq)
+    model.init_weights(0)
+    apply_ac(model, mode, every_k=every_k, selective_op_policy=policy)
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, args.vocab_size, (batch, seq + 1), generator=g)
+    tracker = MemTracker()
+    tracker.track_external(model)
+    start = time.perf_counter()
+    with tracker:
+        loss = cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:]) / tokens[:, 1:].numel()
+        loss.backward()
+    seconds = time.perf_counter() - start
+    peak = tracker.get_tracker_snapshot("peak")[torch.device("cpu")]
+    act = sum(v for k, v in peak.items() if getattr(k, "name", None) == "ACT")
+    return peak["Total"] / 2**20, act / 2**20, seconds
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--flavor", default="debug")
+    p.add_argument("--n_layers", type=int, default=None)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq", type=int, default=256)
+    a = p.parse_args()
+    print(f"{a.flavor} n_layers={a.n_layers or 'default'} batch={a.batch} seq={a.seq}, fp32, CPU")
+    print(f"{'mode':<32} {'peak MiB':>9} {'act MiB':>8} {'saved vs none':>14} {'time s':>7}")
+    base = None
+    for mode, policy in CONFIGS:
+        total, act, sec = measure(a.flavor, a.batch, a.seq, a.n_layers, mode, policy)
+        base = base or total
+        name = mode + (f" ({policy})" if mode == "selective_op" else " (every_k=2)" if mode == "selective_layer" else "")
+        print(f"{name:<32} {total:>9.1f} {act:>8.1f} {100 * (1 - total / base):>13.0f}% {sec:>7.2f}")
+
+
+if __name__ == "__main__":
+    main()
