@@ -85,6 +85,11 @@ def test_wrapped_model_inits_like_plain_model():
     assert got.keys() == want.keys()
     for name, p in want.items():
         assert torch.equal(got[name], p), name
+    # DCP's state-dict API strips both wrappers, so checkpoint keys are the plain
+    # model's (nn.Module.state_dict() would keep `_orig_mod.`).
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict
+
+    assert set(get_model_state_dict(wrapped)) == set(plain.state_dict())
 
 
 def test_unknown_mode_is_rejected():

@@ -20,8 +20,8 @@ from torch import nn
 from trainlib.config import ConfigError, JobConfig, load_job_config, save_config
 from trainlib.config.validate import resolve_local_batch_size, validate_job
 from trainlib.data import PackedDataLoader, build_dataloader, build_tokenizer
-from trainlib.float8 import check_float8_hardware, convert_float8, float8_post_optimizer_step
 from trainlib.distributed import DistInfo, destroy_distributed, init_distributed, set_collective_timeout
+from trainlib.float8 import check_float8_hardware, convert_float8, float8_post_optimizer_step
 from trainlib.loss import count_targets, cross_entropy_sum
 from trainlib.metrics import MetricsLogger, setup_logging
 from trainlib.models.llama3 import Transformer, count_params, flops_per_token, get_model_args, parallelize_llama
