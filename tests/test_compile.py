@@ -45,6 +45,7 @@ def test_compiled_fsdp_float8_full_ac_matches_eager_float8():
         f8 + ",compile.enable=true,activation_checkpoint.mode=full",
     ], steps=10, extra=SMALL, baseline=f8)
     print(report.table())
-    # float8 casts amplify inductor's fp32 reordering: a value on either side
-    # of an e4m3 rounding boundary moves by 1/16 relative.
-    assert report.max_rel_loss < 1e-3
+    # Measured 2.2e-7. float8 casts can amplify inductor's fp32 reordering (a
+    # value on either side of an e4m3 rounding boundary moves by 1/16), hence
+    # a looser bound than fp32's, still far below float8's own 1e-3 effect.
+    assert report.max_rel_loss < 1e-4
