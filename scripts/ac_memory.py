@@ -1,6 +1,6 @@
 """Activation memory of each activation-checkpointing mode, measured on CPU.
 
-    python scripts/ac_memory.py [--flavor debug] [--batch 8] [--seq 256] [--n_layers N]
+    python scripts/ac_memory.py [--flavor debug] [--batch 8] [--seq 256] [--n_layers N] [--vocab_size V]
 
 Runs one forward+backward of the model under torch's MemTracker (it accounts
 every tensor allocation by category) and prints peak memory per mode, with the
@@ -25,9 +25,10 @@ CONFIGS = [("none", "all_mm"), ("full", "all_mm"), ("selective_layer", "all_mm")
            ("selective_op", "all_mm"), ("selective_op", "every_other_mm")]
 
 
-def measure(flavor: str, batch: int, seq: int, n_layers: int | None, mode: str, policy: str, every_k: int = 2):
+def measure(flavor: str, batch: int, seq: int, n_layers: int | None, mode: str, policy: str, every_k: int = 2,
+            vocab_size: int | None = None):
     """(peak MiB total, peak MiB of activations, seconds) of one training step."""
-    args = get_model_args(flavor, n_layers=n_layers)
+    args = get_model_args(flavor, n_layers=n_layers, vocab_size=vocab_size)
     model = Transformer(args, rope_len=seq)
     model.init_weights(0)
     apply_ac(model, mode, every_k=every_k, selective_op_policy=policy)
@@ -49,14 +50,16 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--flavor", default="debug")
     p.add_argument("--n_layers", type=int, default=None)
+    p.add_argument("--vocab_size", type=int, default=None, help="smaller vocab: block activations, not logits")
     p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
     a = p.parse_args()
-    print(f"{a.flavor} n_layers={a.n_layers or 'default'} batch={a.batch} seq={a.seq}, fp32, CPU")
+    print(f"{a.flavor} n_layers={a.n_layers or 'default'} vocab={a.vocab_size or 'default'} batch={a.batch} "
+          f"seq={a.seq}, fp32, CPU")
     print(f"{'mode':<32} {'peak MiB':>9} {'act MiB':>8} {'saved vs none':>14} {'time s':>7}")
     base = None
     for mode, policy in CONFIGS:
-        total, act, sec = measure(a.flavor, a.batch, a.seq, a.n_layers, mode, policy)
+        total, act, sec = measure(a.flavor, a.batch, a.seq, a.n_layers, mode, policy, vocab_size=a.vocab_size)
         base = base or total
         name = mode + (f" ({policy})" if mode == "selective_op" else " (every_k=2)" if mode == "selective_layer" else "")
         print(f"{name:<32} {total:>9.1f} {act:>8.1f} {100 * (1 - total / base):>13.0f}% {sec:>7.2f}")
