@@ -4,6 +4,9 @@ The field names written to metrics.jsonl are a contract read by external tools:
 step, loss, grad_norm, lr, tokens_per_second (global), step_time_s, tflops
 (achieved per device), mfu (null where the device's peak is unknown),
 peak_memory_gib. Add fields; never rename these.
+Added fields: mfu_basis ("bf16_peak": the denominator of mfu, whatever the
+matmul precision) and matmul_precision ("float8" when float8 linears run,
+else "default").
 """
 
 from __future__ import annotations
@@ -84,8 +87,10 @@ class MetricsLogger:
     """
 
     def __init__(self, cfg: MetricsConfig, run_dir: str | os.PathLike | None, *, rank: int,
-                 device: torch.device, flops_per_token: float, world_size: int, append: bool = False):
+                 device: torch.device, flops_per_token: float, world_size: int, append: bool = False,
+                 float8: bool = False):
         self.cfg, self.rank, self.device = cfg, rank, device
+        self.float8 = float8
         self.flops_per_token, self.world_size = flops_per_token, world_size
         self.peak = device_peak_flops(device)
         self._file = None
@@ -122,6 +127,10 @@ class MetricsLogger:
             "mfu": (tflops * 1e12 / self.peak) if self.peak else None,
             "peak_memory_gib": peak_memory_gib(self.device),
             "time": time.time(),
+            # float8 runs are still measured against the bf16 peak (not the 2x
+            # float8 peak), so MFU compares across precisions; these say so.
+            "mfu_basis": "bf16_peak",
+            "matmul_precision": "float8" if self.float8 else "default",
         }
         if extra:
             record.update(extra)
@@ -131,6 +140,8 @@ class MetricsLogger:
                 self._file.flush()
             if self.cfg.console:
                 mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"
+                if self.float8:
+                    mfu += " (float8, vs bf16 peak)"
                 logger.info(
                     f"step {step:>6} | loss {loss:8.4f} | grad_norm {grad_norm:8.3f} | lr {lr:.2e} | "
                     f"tok/s {tps:10,.0f} | {record['step_time_s']:.3f} s/step | tflops {tflops:7.2f} | "

@@ -11,6 +11,7 @@ import logging
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -20,13 +21,16 @@ from trainlib.config import ConfigError, JobConfig, load_job_config, save_config
 from trainlib.config.validate import resolve_local_batch_size, validate_job
 from trainlib.data import PackedDataLoader, build_dataloader, build_tokenizer
 from trainlib.distributed import DistInfo, destroy_distributed, init_distributed, set_collective_timeout
+from trainlib.float8 import check_float8_hardware, convert_float8, float8_post_optimizer_step
 from trainlib.loss import count_targets, cross_entropy_sum
 from trainlib.metrics import MetricsLogger, setup_logging
 from trainlib.models.llama3 import Transformer, count_params, flops_per_token, get_model_args, parallelize_llama
+from trainlib.models.llama3.parallelize import uses_fsdp
 from trainlib.optim import build_lr_scheduler, build_optimizer
 from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
 from trainlib.parallel.pp import Pipeline, build_pipeline
 from trainlib.parallel.tp import loss_context
+from trainlib.parallel.compile import maybe_compile_loss
 
 logger = logging.getLogger("trainlib")
 
@@ -49,6 +53,7 @@ class Job:
     grad_accum: int
     run_dir: Path
     pipeline: Pipeline | None = None  # set under pipeline parallelism
+    loss_fn: Callable = cross_entropy_sum  # compiled when compile.loss is set
 
 
 def setup(cfg: JobConfig, info: DistInfo) -> Job:
@@ -71,14 +76,19 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     with torch.device("meta"):
         model = Transformer(model_args, rope_len=t.seq_len)
     n_params = count_params(model)
+    # Converters swap modules before parallelize_llama, so TP/AC/compile/FSDP wrap the swapped ones.
+    check_float8_hardware(cfg.float8, info.device)
+    convert_float8(model, cfg.float8, fsdp=uses_fsdp(dims, _DTYPES[t.mixed_precision_param]))
 
     def parallelize(m: nn.Module) -> nn.Module:
         return parallelize_llama(m, dims, cfg.parallelism, param_dtype=_DTYPES[t.mixed_precision_param],
-                                 reduce_dtype=_DTYPES[t.mixed_precision_reduce])
+                                 reduce_dtype=_DTYPES[t.mixed_precision_reduce],
+                                 ac=cfg.activation_checkpoint, compile=cfg.compile)
 
+    loss_fn = maybe_compile_loss(cross_entropy_sum, cfg.compile)
     pipeline = None
     if dims.pp_enabled:  # this rank's stages, each parallelized like a whole model
-        pipeline = build_pipeline(model, dims, cfg.parallelism, info.device, parallelize)
+        pipeline = build_pipeline(model, dims, cfg.parallelism, info.device, parallelize, loss_fn)
     model_parts = pipeline.model_parts if pipeline else [parallelize(model)]
     for part in model_parts:
         init_model_weights(part, t.seed, info.device)
@@ -89,7 +99,8 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     dp_rank, dp_world = dims.dp_coords()
     loader = build_dataloader(cfg.data, tokenizer, t.seq_len, local_bs, dp_rank, dp_world, t.seed)
     metrics = MetricsLogger(cfg.metrics, run_dir, rank=info.rank, device=info.device,
-                            flops_per_token=flops_per_token(model_args, t.seq_len), world_size=info.world_size)
+                            flops_per_token=flops_per_token(model_args, t.seq_len), world_size=info.world_size,
+                            float8=cfg.float8.enable)
     logger.info(
         f"world {info.world_size} on {info.device.type} | "
         + " ".join(f"{k}={v}" for k, v in dims.degrees().items())
@@ -97,7 +108,7 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
         f"{t.seq_len} tokens = local {local_bs} x dp {dims.dp} x accum {grad_accum} | run dir {run_dir}"
     )
     return Job(cfg, info, dims, model_parts, optimizer, scheduler, loader, metrics, local_bs, grad_accum, run_dir,
-               pipeline)
+               pipeline, loss_fn)
 
 
 def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tensor) -> torch.Tensor:
@@ -112,7 +123,7 @@ def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tenso
         loss_sum = torch.zeros((), device=device)
         for mb in micro_batches:
             logits = model(mb["input"].to(device))
-            loss = cross_entropy_sum(logits, mb["labels"].to(device)) / n_targets
+            loss = job.loss_fn(logits, mb["labels"].to(device)) / n_targets
             del logits  # free the largest activation before backward allocates
             loss.backward()
             loss_sum += loss.detach()
@@ -136,6 +147,7 @@ def train_loop(job: Job) -> list[dict]:
         loss_sum = forward_backward(job, micro_batches, n_targets)
         grad_norm = clip_grad_norm_([p for m in job.model_parts for p in m.parameters()], t.max_norm, pp_mesh)
         job.optimizer.step()
+        float8_post_optimizer_step(job.model_parts, cfg.float8)
         job.scheduler.step()
         job.optimizer.zero_grad(set_to_none=True)
         job.metrics.step_done(tokens_per_step)

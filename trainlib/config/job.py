@@ -12,7 +12,10 @@ from typing import Literal
 from trainlib.data import DataConfig, TokenizerConfig
 from trainlib.distributed import CommConfig
 from trainlib.metrics import MetricsConfig
+from trainlib.float8 import Float8Config
 from trainlib.optim import LRSchedulerConfig, OptimizerConfig
+from trainlib.parallel.ac import ActivationCheckpointConfig
+from trainlib.parallel.compile import CompileConfig
 from trainlib.parallel.config import ParallelismConfig
 
 
@@ -64,3 +67,6 @@ class JobConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    float8: Float8Config = field(default_factory=Float8Config)
+    compile: CompileConfig = field(default_factory=CompileConfig)
+    activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)

@@ -77,6 +77,10 @@ def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -
                 raise ConfigError(
                     "parallelism.tp_async overlaps TP collectives through CUDA symmetric memory and "
                     "torch.compile; it is not supported on CPU; set parallelism.tp_async = false")
+            if not cfg.compile.enable:
+                raise ConfigError(
+                    "parallelism.tp_async is done by torch.compile's micro-pipeline pass and needs "
+                    "compile.enable = true; enable compile or set parallelism.tp_async = false")
     if not dims.pp_enabled:
         return
     sched, n_layers = par.pp_schedule, model_args.n_layers

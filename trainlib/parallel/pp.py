@@ -110,13 +110,14 @@ class Pipeline:
     model_parts: list[nn.Module]
     has_first: bool
     has_last: bool
+    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
     _n_targets: torch.Tensor | None = field(default=None, repr=False)
 
     def loss_fn(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         # Per pipeline micro-batch, divided by the token count of the whole
         # global batch: the sum over micro-batches and ranks is the global mean,
         # as without PP. Hence the schedule is built with scale_grads=False.
-        return cross_entropy_sum(output, labels) / self._n_targets
+        return self.criterion(output, labels) / self._n_targets
 
     def step(self, micro_batches: list[dict], n_targets: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Forward + backward of the micro-batches (one schedule run each);
@@ -143,6 +144,7 @@ def pipeline_llama(
     layer_counts: list[int],
     device: torch.device,
     parallelize: Callable[[nn.Module], nn.Module],
+    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
 ) -> Pipeline:
     """Split `model` (meta device) into this rank's stages, parallelize each
     with `parallelize`, and build the schedule. Weights are initialised
@@ -157,7 +159,7 @@ def pipeline_llama(
         parts.append(part)
         stages.append(PipelineStage(part, sid, n_stages, device, group=pp_mesh.get_group()))
     pipe = Pipeline(None, stages, parts, has_first=any(s.is_first for s in stages),
-                    has_last=any(s.is_last for s in stages))
+                    has_last=any(s.is_last for s in stages), criterion=criterion)
     cls = schedule_class(schedule)
     sched_stages = stages[0] if schedule in SINGLE_STAGE_SCHEDULES else stages
     try:
@@ -168,7 +170,8 @@ def pipeline_llama(
 
 
 def build_pipeline(model: nn.Module, parallel_dims, parallelism, device: torch.device,
-                   parallelize: Callable[[nn.Module], nn.Module]) -> Pipeline:
+                   parallelize: Callable[[nn.Module], nn.Module],
+                   criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum) -> Pipeline:
     """`pipeline_llama` with the recipe's [parallelism] settings (validated by `validate_job`)."""
     sched = parallelism.pp_schedule
     per_rank = stages_per_rank(sched, parallelism.pp_stages_per_rank)
@@ -177,5 +180,5 @@ def build_pipeline(model: nn.Module, parallel_dims, parallelism, device: torch.d
         model, parallel_dims.mesh("pp"), schedule=sched,
         n_microbatches=parallelism.pp_microbatches or n_stages, n_stages_per_rank=per_rank,
         layer_counts=layers_per_stage(model.args.n_layers, n_stages, parallelism.pp_layers_per_stage),
-        device=device, parallelize=parallelize,
+        device=device, parallelize=parallelize, criterion=criterion,
     )

@@ -16,6 +16,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from trainlib.parallel.ac import ActivationCheckpointConfig, apply_ac
+from trainlib.parallel.compile import CompileConfig, apply_compile
 from trainlib.parallel.config import ParallelismConfig
 from trainlib.parallel.fsdp import apply_fsdp
 from trainlib.parallel.parallel_dims import ParallelDims
@@ -29,15 +31,17 @@ def parallelize_llama(
     *,
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
+    ac: ActivationCheckpointConfig | None = None,
+    compile: CompileConfig | None = None,
 ) -> nn.Module:
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.mesh("tp"), sequence_parallel=parallelism.tp_sequence_parallel,
                  loss_parallel=parallelism.tp_loss_parallel, async_tp=parallelism.tp_async)
-    # Data parallelism is applied whenever more than one rank holds distinct
-    # tokens, and also on one rank when a lower parameter precision is asked:
-    # FSDP's mixed-precision policy is the one place that casts parameters.
-    dp_cp = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp
-    if dp_cp > 1 or param_dtype != torch.float32:
+    if ac is not None:
+        apply_ac(model, ac.mode, every_k=ac.every_k, selective_op_policy=ac.selective_op_policy)
+    if compile is not None and compile.enable:
+        apply_compile(model, backend=compile.backend)
+    if uses_fsdp(parallel_dims, param_dtype):
         apply_fsdp(
             model,
             parallel_dims.fsdp_mesh(),
@@ -47,6 +51,14 @@ def parallelize_llama(
             cpu_offload=parallelism.fsdp_cpu_offload,
         )
     return model
+
+
+def uses_fsdp(parallel_dims: ParallelDims, param_dtype: torch.dtype) -> bool:
+    # Data parallelism is applied whenever more than one rank holds distinct
+    # tokens, and also on one rank when a lower parameter precision is asked:
+    # FSDP's mixed-precision policy is the one place that casts parameters.
+    dp_cp = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp
+    return dp_cp > 1 or param_dtype != torch.float32
 
 
 def _reshard_after_forward(parallelism: ParallelismConfig, parallel_dims: ParallelDims) -> bool:

@@ -1,0 +1,99 @@
+"""Recipe section [activation_checkpoint]: trade recomputation for activation memory.
+
+Modes (per transformer block; the block is the checkpoint region):
+  none             keep every activation.
+  full             every block keeps only its input; backward reruns its forward.
+  selective_layer  `full`, but only for every `every_k`-th block (by global
+                   block index, so pipeline stages agree); the rest keep all.
+  selective_op     every block, but per op: outputs of matmuls and attention
+                   are saved, everything else (norms, RoPE, SiLU, products,
+                   casts) is recomputed. Those cheap ops hold a large share of
+                   a block's activation bytes and cost few FLOPs to redo.
+                   `selective_op_policy = "every_other_mm"` saves only every
+                   second matmul output to save more memory; its counting
+                   (wq, wk, wv, wo, w1, w3, w2 -> saves wk, wo, w3) keeps the
+                   attention output projection wo saved, so backward never
+                   reruns attention's output path, whose input is the
+                   attention result.
+
+Applied after TP/CP and before compile and FSDP (see parallelize_llama). The
+wrapper inserts `_checkpoint_wrapped_module` into parameter names; init and
+checkpoint keys strip it (trainlib.models.init_utils.canonical_name).
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from dataclasses import dataclass
+from functools import partial
+from typing import Literal
+
+import torch
+from torch import nn
+from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+MODES = ("none", "full", "selective_layer", "selective_op")
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    mode: Literal["none", "full", "selective_layer", "selective_op"] = "none"
+    every_k: int = 2  # selective_layer: checkpoint blocks 0, k, 2k, ...
+    selective_op_policy: Literal["all_mm", "every_other_mm"] = "all_mm"
+
+    def __post_init__(self) -> None:
+        if self.every_k < 1:
+            raise ValueError(f"activation_checkpoint.every_k must be >= 1, got {self.every_k}")
+
+
+def _matmul_ops() -> set:
+    return {torch.ops.aten.mm.default, torch.ops.aten._scaled_mm.default}  # _scaled_mm: float8 linears
+
+
+def _saved_ops() -> set:
+    ops = {torch.ops.aten.max.default}  # float8 amax: tiny, and recomputing it re-reads the whole tensor
+    for name in ("_scaled_dot_product_flash_attention", "_scaled_dot_product_efficient_attention",
+                 "_scaled_dot_product_cudnn_attention", "_scaled_dot_product_flash_attention_for_cpu"):
+        if hasattr(torch.ops.aten, name):
+            ops.add(getattr(torch.ops.aten, name).default)
+    # Recomputing a TP reduce-scatter would repeat communication.
+    ops.add(torch.ops._c10d_functional.reduce_scatter_tensor.default)
+    return ops
+
+
+def _op_policy(every_other_mm: bool):
+    saved, matmuls = _saved_ops(), _matmul_ops()
+
+    def policy(counts: dict, ctx, op, *args, **kwargs):
+        if op in matmuls:
+            key = "recompute" if ctx.is_recompute else "forward"
+            counts[key] += 1
+            if every_other_mm and counts[key] % 2 == 1:
+                return CheckpointPolicy.PREFER_RECOMPUTE
+            return CheckpointPolicy.MUST_SAVE
+        return CheckpointPolicy.MUST_SAVE if op in saved else CheckpointPolicy.PREFER_RECOMPUTE
+
+    def context_fn():
+        # A fresh counter per checkpointed call, shared by its forward and its
+        # recompute so both count matmuls the same way.
+        return create_selective_checkpoint_contexts(partial(policy, defaultdict(int)))
+
+    return context_fn
+
+
+def apply_ac(model: nn.Module, mode: str, *, every_k: int = 2, selective_op_policy: str = "all_mm") -> nn.Module:
+    """Wrap the blocks of `model.layers` (a ModuleDict keyed by global index) in place."""
+    if mode not in MODES:
+        raise ValueError(f"activation_checkpoint.mode '{mode}' is not one of {', '.join(MODES)}")
+    if mode == "none":
+        return model
+    # No dropout in Llama, so there is no RNG state to replay.
+    kwargs: dict = dict(preserve_rng_state=False)
+    if mode == "selective_op":
+        kwargs["context_fn"] = _op_policy(selective_op_policy == "every_other_mm")
+    for name, block in list(model.layers.items()):
+        if mode == "selective_layer" and int(name) % every_k:
+            continue
+        model.layers[name] = checkpoint_wrapper(block, **kwargs)
+    return model
