@@ -67,7 +67,13 @@ def init_distributed(cfg: CommConfig, device: str = "auto") -> DistInfo:
     if backend == "nccl":
         kwargs["device_id"] = dev
     if launched:
-        dist.init_process_group(init_method="env://", **kwargs)
+        # torchrun --max-restarts reuses one store for every incarnation of the
+        # workers: without a per-restart namespace, restarted gloo ranks find the
+        # dead incarnation's addresses and fail to connect (or hang).
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+        restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+        store = dist.PrefixStore(f"trainlib/restart{restart}", store)
+        dist.init_process_group(store=store, rank=rank, world_size=world_size, **kwargs)
     else:
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     return DistInfo(rank, local_rank, world_size, dev)

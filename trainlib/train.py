@@ -2,7 +2,8 @@
 
 `python -m trainlib.train` without torchrun runs a world of one.
 Setup order: meta-device build, parallelize, materialise + init weights,
-optimizer, data; then the loop, which reads top to bottom.
+optimizer, data, checkpoint load (resume is the default when checkpoints are
+enabled); then the loop, which reads top to bottom.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainlib.checkpoint import Checkpointer
 from trainlib.config import ConfigError, JobConfig, load_job_config, save_config
 from trainlib.config.validate import resolve_local_batch_size, validate_job
 from trainlib.data import PackedDataLoader, build_dataloader, build_tokenizer
@@ -46,6 +48,8 @@ class Job:
     local_batch_size: int
     grad_accum: int
     run_dir: Path
+    checkpointer: Checkpointer | None = None
+    start_step: int = 0  # the last step already done (restored from a checkpoint)
 
 
 def setup(cfg: JobConfig, info: DistInfo) -> Job:
@@ -77,7 +81,10 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     dp_rank, dp_world = dims.dp_coords()
     loader = build_dataloader(cfg.data, tokenizer, t.seq_len, local_bs, dp_rank, dp_world, t.seed)
-    metrics = MetricsLogger(cfg.metrics, run_dir, rank=info.rank, device=info.device,
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, [model], optimizer, scheduler, loader,
+                                tokens_per_step=t.global_batch_size * t.seq_len, model_args=model_args)
+    start_step = checkpointer.load()
+    metrics = MetricsLogger(cfg.metrics, run_dir, rank=info.rank, device=info.device, append=start_step > 0,
                             flops_per_token=flops_per_token(model_args, t.seq_len), world_size=info.world_size)
     logger.info(
         f"world {info.world_size} on {info.device.type} | "
@@ -85,7 +92,8 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
         + f" | model {cfg.model.flavor} {n_params / 1e6:.2f}M params | global batch {t.global_batch_size} x "
         f"{t.seq_len} tokens = local {local_bs} x dp {dims.dp} x accum {grad_accum} | run dir {run_dir}"
     )
-    return Job(cfg, info, dims, [model], optimizer, scheduler, loader, metrics, local_bs, grad_accum, run_dir)
+    return Job(cfg, info, dims, [model], optimizer, scheduler, loader, metrics, local_bs, grad_accum, run_dir,
+               checkpointer, start_step)
 
 
 def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tensor) -> torch.Tensor:
@@ -109,7 +117,7 @@ def train_loop(job: Job) -> list[dict]:
     loss_group = job.dims.mesh("dp_cp").get_group()
     tokens_per_step = t.global_batch_size * t.seq_len
     records = []
-    for step in range(1, t.steps + 1):
+    for step in range(job.start_step + 1, t.steps + 1):
         micro_batches = [next(job.loader) for _ in range(job.grad_accum)]
         # The loss is a mean over every target token of the global batch, so
         # count them across data-parallel ranks before any backward.
@@ -122,13 +130,17 @@ def train_loop(job: Job) -> list[dict]:
         job.scheduler.step()
         job.optimizer.zero_grad(set_to_none=True)
         job.metrics.step_done(tokens_per_step)
-        if step == 1:  # past compilation and first-time allocations
+        if step == job.start_step + 1:  # past compilation and first-time allocations
             set_collective_timeout(cfg.comm.train_timeout_seconds)
 
         if job.metrics.should_log(step, t.steps):
             dist.all_reduce(loss_sum, group=loss_group)  # each rank holds its tokens' share
             records.append(job.metrics.log(step, loss=loss_sum.item(), grad_norm=grad_norm.item(),
                                            lr=job.scheduler.get_last_lr()[0]))
+        job.checkpointer.maybe_save(step, t.steps)
+    job.checkpointer.close()
+    if cfg.checkpoint.export_hf:
+        job.checkpointer.export_hf(job.run_dir / "hf")
     return records
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from trainlib.checkpoint.manager import CheckpointConfig
 from trainlib.data import DataConfig, TokenizerConfig
 from trainlib.distributed import CommConfig
 from trainlib.metrics import MetricsConfig
@@ -64,3 +65,4 @@ class JobConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
