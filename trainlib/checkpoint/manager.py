@@ -313,6 +313,8 @@ class Checkpointer:
         self.tokens_seen += self.tokens_per_step
         if not self.cfg.enable:
             return
+        if self._pending is not None and self._pending.done():
+            self.wait()  # commit a finished background save now, not at the next save
         if step % self.cfg.interval == 0 or step == last_step:
             self.save(step)
         _fault_hook("TRAINLIB_FAULT_AT_STEP", step)
