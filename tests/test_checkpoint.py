@@ -226,3 +226,67 @@ def test_async_process_mode_with_pinned_mem_option(tmp_path, straight):
     _run(folder, {}, extra=["--checkpoint.async_mode=async_with_pinned_mem"])
     assert complete_steps(folder / "checkpoint") == [2, 4, 6, 8]
     assert _losses(folder) == straight({})
+
+
+# --------------------------------------------------------------------------- elastic restart
+
+
+def _torchrun(folder: Path, launcher: list[str], env: dict, nproc_layout: dict, timeout=600):
+    _, lay = _layout_args(nproc_layout)
+    cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "trainlib.train", *BASE,
+           f"--job.dump_folder={folder}", *lay]
+    return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **env))
+
+
+def _finish(procs, timeout=600):
+    outs = []
+    for p in procs:
+        try:
+            out, _ = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            for q in procs:
+                q.kill()
+            raise
+        outs.append((p.returncode, out))
+    for rc, out in outs:
+        assert rc == 0, out[-4000:]
+    return outs
+
+
+@pytest.mark.parametrize("fault", [
+    {"TRAINLIB_FAULT_AT_STEP": "4"},
+    pytest.param({"TRAINLIB_FAULT_MID_SAVE": "6", "TRAINLIB_FAULT_RANK": "0"}, marks=pytest.mark.slow),
+], ids=["kill_after_step", "kill_mid_save"])
+def test_elastic_restart_resumes_on_the_same_curve(tmp_path, straight, fault):
+    """torchrun --max-restarts=1: rank 0 is SIGKILLed in the first incarnation;
+    the agent restarts both workers, which resume from the latest complete checkpoint."""
+    layout = {"dp_shard": 2}
+    folder = tmp_path / "run"
+    launcher = ["--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.5"]
+    ((_, out),) = _finish([_torchrun(folder, launcher, fault, layout)])
+    assert "resumed from" in out
+    assert _curve(folder) == straight(layout)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_two_agents_c10d_rendezvous_with_restart(tmp_path, straight):
+    """Two torchrun agents on localhost (a stand-in for two machines) form one
+    2-rank job; rank 0 is killed once; both agents restart and resume."""
+    layout = {"dp_shard": 2}
+    folder = tmp_path / "run"
+    port = _free_port()
+    launcher = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
+                f"--rdzv-id=trainlib-{port}", "--max-restarts=1", "--monitor-interval=0.5"]
+    procs = [_torchrun(folder, launcher, {"TRAINLIB_FAULT_AT_STEP": "4"}, layout) for _ in range(2)]
+    outs = _finish(procs)
+    assert any("resumed from" in out for _, out in outs)
+    assert _curve(folder) == straight(layout)
