@@ -181,6 +181,21 @@ def load_optimizer_state_dict(optimizer: torch.optim.Optimizer, model_parts: lis
         g.update(saved)
 
 
+def check_model_matches(path: Path, model_sd: dict[str, Any]) -> None:
+    """One clear line instead of DCP's error when the checkpoint's model is not
+    this run's (another flavor, n_layers or vocab_size)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, t in model_sd.items():
+        m = meta.get(f"model.{name}")
+        saved = tuple(m.size) if isinstance(m, TensorStorageMetadata) else None
+        if saved != tuple(t.shape):
+            what = f"has {name} of shape {list(saved)}" if saved else f"has no {name}"
+            raise ValueError(f"checkpoint {path} {what}, this run's model needs {list(t.shape)}: "
+                             "load it with the model.flavor / n_layers / vocab_size it was saved with")
+
+
 def _rng_state() -> dict[str, torch.Tensor]:
     state = {"cpu": torch.get_rng_state()}
     if torch.cuda.is_available():
@@ -259,6 +274,7 @@ class Checkpointer:
     def load_full(self, path: Path) -> int:
         _ensure_optimizer_state(self.optimizer)
         sd = self._state_dict()
+        check_model_matches(path, sd["model"])
         dcp.load(sd, checkpoint_id=str(path))
         for part in self.model_parts:
             set_model_state_dict(part, sd["model"], options=StateDictOptions(strict=False))
@@ -288,6 +304,7 @@ class Checkpointer:
                              "nor a Hugging Face folder (config.json + *.safetensors)")
         if self.cfg.initial_load_model_only:
             sd = {"model": model_state_dict(self.model_parts)}
+            check_model_matches(Path(path), sd["model"])
             dcp.load(sd, checkpoint_id=str(path))
             for part in self.model_parts:
                 set_model_state_dict(part, sd["model"], options=StateDictOptions(strict=False))
