@@ -150,7 +150,7 @@ def test_training_steps_raised_and_load_step(tmp_path):
     proc = _run(folder, {}, extra=["--checkpoint.load_step=3"], expect_ok=False)
     assert proc.returncode == 2 and "checkpoint.load_step=3" in proc.stderr and "[4, 6]" in proc.stderr
     # Another model shape: one clear line, not DCP's traceback.
-    proc = _run(folder, {}, extra=["--training.steps=8", "--model.n_layers=2"], expect_ok=False)
+    proc = _run(folder, {}, extra=["--training.steps=8", "--model.vocab_size=600"], expect_ok=False)
     assert proc.returncode == 2 and "model.flavor / n_layers / vocab_size" in proc.stderr
     # fresh_start wipes and starts over.
     proc = _run(folder, {}, extra=["--training.steps=2", "--checkpoint.fresh_start=true"])
