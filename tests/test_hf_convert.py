@@ -109,3 +109,12 @@ def test_train_from_hf_and_export_hf_under_fsdp2(tmp_path):
     with torch.no_grad():
         diff = (exported(batch["input"]).logits - _trainlib_logits(args, sd, batch["input"])).abs().max()
     assert diff <= 1e-5
+
+
+def test_convert_cli_errors_are_one_line(tmp_path, capsys):
+    from trainlib.convert import main
+
+    assert main(["dcp-to-hf", str(tmp_path / "missing"), str(tmp_path / "out")]) == 2
+    assert "not a complete DCP checkpoint" in capsys.readouterr().err
+    assert main(["hf-to-dcp", str(tmp_path), str(tmp_path / "out")]) == 2
+    assert "not a Hugging Face checkpoint folder" in capsys.readouterr().err
