@@ -217,3 +217,40 @@ def load_hf_into_model(model_parts: list[nn.Module], path: str | os.PathLike, ex
     if expected is not None:
         check_shapes(sd, args, expected, f"HF checkpoint {path}")
     load_full_state_into_model(model_parts, sd)
+
+
+# --------------------------------------------------------------------------- Meta format
+
+
+def is_meta_folder(path: str | os.PathLike) -> bool:
+    return any(Path(path).glob("consolidated.*.pth"))
+
+
+def load_meta_into_model(model_parts: list[nn.Module], path: str | os.PathLike, expected: Any = None) -> None:
+    """Weights from Meta's reference format (`consolidated.00.pth` [+ params.json]).
+    Its names and rotary layout are trainlib's own, so no renaming or permutation.
+    The rotary settings come from the run's model.flavor, not from the file."""
+    files = sorted(Path(path).glob("consolidated.*.pth"))
+    if len(files) != 1:
+        raise ValueError(f"{path} holds {len(files)} consolidated.*.pth files (model-parallel shards); only "
+                         "single-file Meta checkpoints load directly: convert larger ones to HF format first")
+    sd = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
+    sd = {k: v for k, v in sd.items() if not k.startswith("rope.")}
+    if "output.weight" not in sd and "tok_embeddings.weight" in sd:
+        sd["output.weight"] = sd["tok_embeddings.weight"]
+    if expected is not None:
+        w1 = sd["layers.0.feed_forward.w1.weight"]
+        heads = expected.n_heads  # params.json is optional; heads cannot be read from weights alone
+        params = Path(path) / "params.json"
+        if params.is_file():
+            p = json.loads(params.read_text())
+            heads = p.get("n_heads", heads)
+            kv = p.get("n_kv_heads", heads)
+        else:
+            kv = expected.n_kv_heads
+        n_layers = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("layers."))
+        args = ModelArgs(dim=w1.shape[1], n_layers=n_layers, n_heads=heads, n_kv_heads=kv, ffn_dim=w1.shape[0],
+                         vocab_size=sd["tok_embeddings.weight"].shape[0])
+        check_shapes(sd, args, expected, f"Meta checkpoint {path}")
+    load_full_state_into_model(model_parts, sd)
+

@@ -293,15 +293,20 @@ class Checkpointer:
         path = self.cfg.initial_load_path
         if path is None:
             return 0
-        from trainlib.checkpoint.hf import is_hf_folder, load_hf_into_model
+        from trainlib.checkpoint.hf import is_hf_folder, is_meta_folder, load_hf_into_model, load_meta_into_model
 
         if is_hf_folder(path):
             load_hf_into_model(self.model_parts, path, self.model_args)
             logger.info(f"initial weights loaded from Hugging Face folder {path}")
             return 0
+        if is_meta_folder(path):
+            load_meta_into_model(self.model_parts, path, self.model_args)
+            logger.info(f"initial weights loaded from Meta checkpoint {path}")
+            return 0
         if not (Path(path) / ".metadata").is_file():
-            raise ValueError(f"checkpoint.initial_load_path={path!r} is neither a DCP checkpoint folder (.metadata) "
-                             "nor a Hugging Face folder (config.json + *.safetensors)")
+            raise ValueError(f"checkpoint.initial_load_path={path!r} is neither a DCP checkpoint folder (.metadata), "
+                             "a Hugging Face folder (config.json + *.safetensors) nor a Meta folder "
+                             "(consolidated.00.pth)")
         if self.cfg.initial_load_model_only:
             sd = {"model": model_state_dict(self.model_parts)}
             check_model_matches(Path(path), sd["model"])
