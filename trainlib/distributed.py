@@ -67,10 +67,29 @@ def init_distributed(cfg: CommConfig, device: str = "auto") -> DistInfo:
     if backend == "nccl":
         kwargs["device_id"] = dev
     if launched:
-        dist.init_process_group(init_method="env://", **kwargs)
+        store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
+        dist.init_process_group(store=_incarnation_store(store, world_size), rank=rank, world_size=world_size,
+                                **kwargs)
     else:
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     return DistInfo(rank, local_rank, world_size, dev)
+
+
+def _incarnation_store(store: dist.Store, world_size: int) -> dist.Store:
+    """A namespace of torchrun's store private to this incarnation of the workers.
+
+    torchrun --max-restarts keeps one store for every incarnation: without a
+    namespace, restarted gloo ranks read the dead incarnation's addresses and
+    fail to connect or hang. TORCHELASTIC_RESTART_COUNT cannot name it: with
+    several agents (--nnodes > 1) only the agent whose worker failed counts a
+    restart, the others restart theirs at 0. So the workers count themselves:
+    every worker of every incarnation adds 1 to one counter, and incarnation k
+    holds the values k*world+1 .. (k+1)*world (a worker that dies before
+    reaching this line would shift that; it fails at startup again anyway)."""
+    if "TORCHELASTIC_RUN_ID" not in os.environ:
+        return store
+    generation = (store.add("trainlib/workers_joined", 1) - 1) // world_size
+    return dist.PrefixStore(f"trainlib/incarnation{generation}", store)
 
 
 def set_collective_timeout(seconds: float) -> None:

@@ -2,7 +2,8 @@
 
 `python -m trainlib.train` without torchrun runs a world of one.
 Setup order: meta-device build, parallelize, materialise + init weights,
-optimizer, data; then the loop, which reads top to bottom.
+optimizer, data, checkpoint load (resume is the default when checkpoints are
+enabled); then the loop, which reads top to bottom.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainlib.checkpoint import Checkpointer
 from trainlib.config import ConfigError, JobConfig, load_job_config, save_config
 from trainlib.config.validate import resolve_local_batch_size, validate_job
 from trainlib.data import PackedDataLoader, build_dataloader, build_tokenizer
@@ -54,6 +56,8 @@ class Job:
     run_dir: Path
     pipeline: Pipeline | None = None  # set under pipeline parallelism
     loss_fn: Callable = cross_entropy_sum  # compiled when compile.loss is set
+    checkpointer: Checkpointer | None = None
+    start_step: int = 0  # the last step already done (restored from a checkpoint)
 
 
 def setup(cfg: JobConfig, info: DistInfo) -> Job:
@@ -98,7 +102,10 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     dp_rank, dp_world = dims.dp_coords()
     loader = build_dataloader(cfg.data, tokenizer, t.seq_len, local_bs, dp_rank, dp_world, t.seed)
-    metrics = MetricsLogger(cfg.metrics, run_dir, rank=info.rank, device=info.device,
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, model_parts, optimizer, scheduler, loader,
+                                tokens_per_step=t.global_batch_size * t.seq_len, model_args=model_args)
+    start_step = checkpointer.load()
+    metrics = MetricsLogger(cfg.metrics, run_dir, rank=info.rank, device=info.device, append=start_step > 0,
                             flops_per_token=flops_per_token(model_args, t.seq_len), world_size=info.world_size,
                             float8=cfg.float8.enable)
     logger.info(
@@ -108,7 +115,7 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
         f"{t.seq_len} tokens = local {local_bs} x dp {dims.dp} x accum {grad_accum} | run dir {run_dir}"
     )
     return Job(cfg, info, dims, model_parts, optimizer, scheduler, loader, metrics, local_bs, grad_accum, run_dir,
-               pipeline, loss_fn)
+               pipeline, loss_fn, checkpointer, start_step)
 
 
 def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tensor) -> torch.Tensor:
@@ -137,7 +144,7 @@ def train_loop(job: Job) -> list[dict]:
     pp_mesh = job.dims.mesh("pp") if job.dims.pp_enabled else None
     tokens_per_step = t.global_batch_size * t.seq_len
     records = []
-    for step in range(1, t.steps + 1):
+    for step in range(job.start_step + 1, t.steps + 1):
         micro_batches = [next(job.loader) for _ in range(job.grad_accum)]
         # The loss is a mean over every target token of the global batch, so
         # count them across data-parallel ranks before any backward.
@@ -151,7 +158,7 @@ def train_loop(job: Job) -> list[dict]:
         job.scheduler.step()
         job.optimizer.zero_grad(set_to_none=True)
         job.metrics.step_done(tokens_per_step)
-        if step == 1:  # past compilation and first-time allocations
+        if step == job.start_step + 1:  # past compilation and first-time allocations
             set_collective_timeout(cfg.comm.train_timeout_seconds)
 
         if job.metrics.should_log(step, t.steps):
@@ -160,6 +167,10 @@ def train_loop(job: Job) -> list[dict]:
                 dist.all_reduce(loss_sum, group=pp_mesh.get_group())
             records.append(job.metrics.log(step, loss=loss_sum.item(), grad_norm=grad_norm.item(),
                                            lr=job.scheduler.get_last_lr()[0]))
+        job.checkpointer.maybe_save(step, t.steps)
+    job.checkpointer.close()
+    if cfg.checkpoint.export_hf:
+        job.checkpointer.export_hf(job.run_dir / "hf")
     return records
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from trainlib.checkpoint.manager import CheckpointConfig
 from trainlib.data import DataConfig, TokenizerConfig
 from trainlib.distributed import CommConfig
 from trainlib.metrics import MetricsConfig
@@ -70,3 +71,4 @@ class JobConfig:
     float8: Float8Config = field(default_factory=Float8Config)
     compile: CompileConfig = field(default_factory=CompileConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)

@@ -1,0 +1,440 @@
+"""Distributed checkpoints (DCP): save, resume, reshard on load.
+
+Layout of a run folder's checkpoints (`checkpoint.folder`, default
+`<job.dump_folder>/checkpoint`):
+
+    step-10/          complete: DCP shards + .metadata, renamed into place
+    step-20.tmp/      being written, or left by a crash: never loaded
+
+A checkpoint counts only once it is complete: every rank writes into
+`step-N.tmp`, and rank 0 renames it to `step-N` after DCP's metadata is written
+(which happens only after every rank's shards are written). A rename within
+one folder is atomic, so a crash at any moment leaves either the old set of
+complete checkpoints or the old set plus the new one.
+
+What is saved, under these top-level keys:
+  model       model parameters, keyed by canonical names (`layers.3.attention.wq.weight`),
+              sharded as they live (FSDP/TP DTensors); DCP reshards them on load
+  optimizer   per-parameter state keyed `<param name>.<state key>` plus the param
+              groups' hyper-parameters (one optimizer may span several PP stages)
+  scheduler   LR scheduler state
+  dataloader  the global stream position (identical on every rank, stored once),
+              so a different DP degree can resume without skipping or repeating samples
+  rng         torch's CPU (and CUDA) generator state of one rank
+  trainer     step, tokens seen, and the model shape (used by `trainlib.convert`)
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+import shutil
+import signal
+import time
+from concurrent.futures import Future
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import nn
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+from trainlib.models.init_utils import canonical_name
+
+logger = logging.getLogger("trainlib")
+
+_STEP_DIR = re.compile(r"^step-(\d+)$")
+_TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
+
+
+@dataclass
+class CheckpointConfig:
+    enable: bool = field(default=False, metadata={"help": "save checkpoints, and resume from the run folder's latest"})
+    interval: int = field(default=500, metadata={"help": "save every this many steps (and always at the last step)"})
+    folder: str = field(default="checkpoint", metadata={"help": "relative to job.dump_folder unless absolute"})
+    async_mode: Literal["disabled", "async", "async_with_pinned_mem"] = field(
+        default="disabled",
+        metadata={"help": "disabled: the loop waits for the write; async: background thread; "
+                          "async_with_pinned_mem: background process, pinned staging on CUDA"})
+    keep_latest_k: int = field(default=0, metadata={"help": "keep only the newest k complete checkpoints; 0 keeps all"})
+    load_step: int = field(default=-1, metadata={"help": "resume from this step's checkpoint; -1 = the latest complete one"})
+    fresh_start: bool = field(default=False, metadata={"help": "delete this run's checkpoints and start at step 0"})
+    initial_load_path: str | None = field(
+        default=None,
+        metadata={"help": "when the run has no checkpoint yet: start from this DCP checkpoint or HF folder"})
+    initial_load_model_only: bool = field(
+        default=True, metadata={"help": "from initial_load_path load weights only (fine-tuning), not optimizer/step/data"})
+    export_hf: bool = field(default=False, metadata={"help": "at the end, also write HF safetensors + config.json to <dump_folder>/hf"})
+
+    def __post_init__(self) -> None:
+        if self.interval < 1:
+            raise ValueError(f"checkpoint.interval must be >= 1 steps, got {self.interval}")
+        if self.keep_latest_k < 0:
+            raise ValueError(f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {self.keep_latest_k}")
+        if self.load_step < -1:
+            raise ValueError(f"checkpoint.load_step must be a step >= 0 or -1 for the latest, got {self.load_step}")
+        if self.export_hf and not self.enable:
+            raise ValueError("checkpoint.export_hf = true needs checkpoint.enable = true (the export is read from "
+                             "the final checkpoint); enable checkpoints or drop export_hf")
+
+
+# --------------------------------------------------------------------------- folders
+
+
+def step_folder(root: str | os.PathLike, step: int) -> Path:
+    return Path(root) / f"step-{step}"
+
+
+def complete_steps(root: str | os.PathLike) -> list[int]:
+    """Steps with a complete checkpoint under `root`, ascending."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    steps = []
+    for p in root.iterdir():
+        m = _STEP_DIR.match(p.name)
+        if m and (p / ".metadata").is_file():
+            steps.append(int(m.group(1)))
+    return sorted(steps)
+
+
+def incomplete_folders(root: str | os.PathLike) -> list[Path]:
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir()
+                  if _TMP_DIR.match(p.name) or (_STEP_DIR.match(p.name) and not (p / ".metadata").is_file()))
+
+
+def latest_step(root: str | os.PathLike) -> int | None:
+    steps = complete_steps(root)
+    return steps[-1] if steps else None
+
+
+# --------------------------------------------------------------------------- state
+
+
+def _param_names(model_parts: list[nn.Module]) -> dict[int, str]:
+    """id(param) -> canonical name, over every model part (PP stages hold
+    disjoint blocks keyed by global index, so names stay unique)."""
+    names = {}
+    for part in model_parts:
+        for name, p in part.named_parameters(remove_duplicate=False):
+            names.setdefault(id(p), canonical_name(name))
+    return names
+
+
+def model_state_dict(model_parts: list[nn.Module]) -> dict[str, Any]:
+    sd: dict[str, Any] = {}
+    for part in model_parts:
+        sd.update(get_model_state_dict(part))
+    return sd
+
+
+def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
+    """Create the optimizer's state tensors (with the parameters' sharding) by
+    one step with zero gradients and lr 0, so DCP can load into them in place."""
+    if optimizer.state:
+        return
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    for p in params:
+        p.grad = torch.zeros_like(p)
+    lrs = [g["lr"] for g in optimizer.param_groups]
+    for g in optimizer.param_groups:
+        g["lr"] = 0.0
+    optimizer.step()
+    for g, lr in zip(optimizer.param_groups, lrs):
+        g["lr"] = lr
+    optimizer.zero_grad(set_to_none=True)
+
+
+def optimizer_state_dict(model_parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    # torch's get_optimizer_state_dict maps parameters through ONE module; under
+    # PP a single optimizer spans several stage modules, so the (small) mapping
+    # is done here, keyed by the same canonical names as the model.
+    names = _param_names(model_parts)
+    state = {}
+    for p, s in optimizer.state.items():
+        for k, v in s.items():
+            state[f"{names[id(p)]}.{k}"] = v
+    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
+    return {"state": state, "param_groups": groups}
+
+
+def load_optimizer_state_dict(optimizer: torch.optim.Optimizer, model_parts: list[nn.Module], sd: dict) -> None:
+    names = _param_names(model_parts)
+    for p, s in optimizer.state.items():
+        for k in s:
+            s[k] = sd["state"][f"{names[id(p)]}.{k}"]
+    if len(sd["param_groups"]) != len(optimizer.param_groups):
+        raise ValueError(f"checkpoint has {len(sd['param_groups'])} optimizer param groups, this optimizer has "
+                         f"{len(optimizer.param_groups)}: resume with the same optimizer settings")
+    for g, saved in zip(optimizer.param_groups, sd["param_groups"]):
+        g.update(saved)
+
+
+def check_model_matches(path: Path, model_sd: dict[str, Any]) -> None:
+    """One clear line instead of DCP's error when the checkpoint's model is not
+    this run's (another flavor, n_layers or vocab_size)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, t in model_sd.items():
+        m = meta.get(f"model.{name}")
+        saved = tuple(m.size) if isinstance(m, TensorStorageMetadata) else None
+        if saved != tuple(t.shape):
+            what = f"has {name} of shape {list(saved)}" if saved else f"has no {name}"
+            raise ValueError(f"checkpoint {path} {what}, this run's model needs {list(t.shape)}: "
+                             "load it with the model.flavor / n_layers / vocab_size it was saved with")
+
+
+def _rng_state() -> dict[str, torch.Tensor]:
+    state = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    return state
+
+
+# --------------------------------------------------------------------------- checkpointer
+
+
+class Checkpointer:
+    """Saves and restores everything a run needs to continue exactly.
+
+    `load()` at setup (after the optimizer exists), `maybe_save(step)` after each
+    step, `close()` at the end (waits for an async save in flight).
+    """
+
+    def __init__(self, cfg: CheckpointConfig, run_dir: str | os.PathLike, model_parts: list[nn.Module],
+                 optimizer: torch.optim.Optimizer, scheduler: Any, loader: Any, *, tokens_per_step: int = 0,
+                 model_args: Any = None):
+        self.cfg = cfg
+        self.root = Path(cfg.folder) if os.path.isabs(cfg.folder) else Path(run_dir) / cfg.folder
+        self.model_parts, self.optimizer, self.scheduler, self.loader = model_parts, optimizer, scheduler, loader
+        self.tokens_per_step = tokens_per_step
+        self.model_args = model_args
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.tokens_seen = 0
+        self.last_blocked_s: float | None = None  # how long the loop waited on the last save
+        self._pending: Future | None = None
+        self._async_pg = None
+        self._stager = None
+        if cfg.enable and cfg.async_mode != "disabled" and dist.is_initialized():
+            # Background saves run collectives while the loop runs its own; a
+            # separate gloo group keeps the two from interleaving on one channel.
+            self._async_pg = dist.new_group(backend="gloo")
+
+    # ---- load ------------------------------------------------------------------
+    def load(self) -> int:
+        """Restore the run's latest complete checkpoint (or `load_step`); else
+        the initial weights from `initial_load_path`. Returns the step to
+        continue after (0 for a fresh run)."""
+        cfg = self.cfg
+        if not cfg.enable:
+            return self._initial_load()
+        if cfg.fresh_start:
+            self._barrier()
+            if self.rank == 0 and self.root.exists():
+                logger.warning(f"checkpoint.fresh_start: deleting existing checkpoints in {self.root}")
+                shutil.rmtree(self.root)
+            self._barrier()
+            return self._initial_load()
+        self._barrier()  # every rank sees the folder before rank 0 cleans it
+        stale = incomplete_folders(self.root)
+        self._barrier()
+        if stale and self.rank == 0:
+            logger.warning(f"removing incomplete checkpoint folders (a save was interrupted): "
+                           f"{', '.join(p.name for p in stale)}")
+            for p in stale:
+                shutil.rmtree(p, ignore_errors=True)
+        steps = complete_steps(self.root)
+        if cfg.load_step >= 0:
+            if cfg.load_step not in steps:
+                raise ValueError(f"checkpoint.load_step={cfg.load_step} has no complete checkpoint in {self.root} "
+                                 f"(complete steps: {steps or 'none'}); pick one of those or -1 for the latest")
+            step = cfg.load_step
+        elif steps:
+            step = steps[-1]
+        else:
+            return self._initial_load()
+        t0 = time.perf_counter()
+        self.load_full(step_folder(self.root, step))
+        logger.info(f"resumed from {step_folder(self.root, step)} (step {step}, {self.tokens_seen:,} tokens seen) "
+                    f"in {time.perf_counter() - t0:.2f} s")
+        return step
+
+    def load_full(self, path: Path) -> int:
+        _ensure_optimizer_state(self.optimizer)
+        sd = self._state_dict()
+        check_model_matches(path, sd["model"])
+        dcp.load(sd, checkpoint_id=str(path))
+        for part in self.model_parts:
+            set_model_state_dict(part, sd["model"], options=StateDictOptions(strict=False))
+        load_optimizer_state_dict(self.optimizer, self.model_parts, sd["optimizer"])
+        self.scheduler.load_state_dict(sd["scheduler"])
+        # A ValueError from here names the rule (e.g. a DP degree that cannot
+        # continue the stream exactly) and is raised before any step runs.
+        self.loader.load_state_dict(sd["dataloader"])
+        torch.set_rng_state(sd["rng"]["cpu"])
+        if "cuda" in sd["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(sd["rng"]["cuda"])
+        self.tokens_seen = int(sd["trainer"]["tokens_seen"])
+        return int(sd["trainer"]["step"])
+
+    def _initial_load(self) -> int:
+        path = self.cfg.initial_load_path
+        if path is None:
+            return 0
+        from trainlib.checkpoint.hf import is_hf_folder, is_meta_folder, load_hf_into_model, load_meta_into_model
+
+        if is_hf_folder(path):
+            load_hf_into_model(self.model_parts, path, self.model_args)
+            logger.info(f"initial weights loaded from Hugging Face folder {path}")
+            return 0
+        if is_meta_folder(path):
+            load_meta_into_model(self.model_parts, path, self.model_args)
+            logger.info(f"initial weights loaded from Meta checkpoint {path}")
+            return 0
+        if not (Path(path) / ".metadata").is_file():
+            raise ValueError(f"checkpoint.initial_load_path={path!r} is neither a DCP checkpoint folder (.metadata), "
+                             "a Hugging Face folder (config.json + *.safetensors) nor a Meta folder "
+                             "(consolidated.00.pth)")
+        if self.cfg.initial_load_model_only:
+            sd = {"model": model_state_dict(self.model_parts)}
+            check_model_matches(Path(path), sd["model"])
+            dcp.load(sd, checkpoint_id=str(path))
+            for part in self.model_parts:
+                set_model_state_dict(part, sd["model"], options=StateDictOptions(strict=False))
+            logger.info(f"initial weights (model only) loaded from {path}")
+            return 0
+        step = self.load_full(Path(path))
+        logger.info(f"initial state loaded from {path} (step {step})")
+        return step
+
+    # ---- save ------------------------------------------------------------------
+    def _state_dict(self, step: int = 0) -> dict[str, Any]:
+        return {
+            "model": model_state_dict(self.model_parts),
+            "optimizer": optimizer_state_dict(self.model_parts, self.optimizer),
+            "scheduler": self.scheduler.state_dict(),
+            "dataloader": self.loader.state_dict(),
+            "rng": _rng_state(),
+            "trainer": {"step": step, "tokens_seen": self.tokens_seen,
+                        "model_args": asdict(self.model_args) if self.model_args is not None else {}},
+        }
+
+    def maybe_save(self, step: int, last_step: int) -> None:
+        self.tokens_seen += self.tokens_per_step
+        if not self.cfg.enable:
+            return
+        if self._pending is not None and self._pending.done():
+            self.wait()  # commit a finished background save now, not at the next save
+        if step % self.cfg.interval == 0 or step == last_step:
+            self.save(step)
+        _fault_hook("TRAINLIB_FAULT_AT_STEP", step)
+
+    def save(self, step: int) -> None:
+        t0 = time.perf_counter()
+        self.wait()  # one save in flight at most; its commit must precede the next
+        sd = self._state_dict(step)
+        tmp = self.root / f"step-{step}.tmp"
+        if self.rank == 0:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir(parents=True)
+        self._barrier()
+        mode = self.cfg.async_mode
+        if mode == "disabled":
+            dcp.save(sd, checkpoint_id=str(tmp))
+            _fault_hook("TRAINLIB_FAULT_MID_SAVE", step)
+            self._commit(step)
+        else:
+            from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
+            from torch.distributed.checkpoint.state_dict_saver import AsyncCheckpointerType
+
+            if mode == "async":
+                kind, stager = AsyncCheckpointerType.THREAD, None
+            else:
+                # Process mode: the writer is a separate process, so the loop's
+                # Python work is not slowed by the GIL; staging copies to pinned
+                # host memory on CUDA (not available on CPU-only hosts).
+                kind = AsyncCheckpointerType.PROCESS
+                if self._stager is None:
+                    pinned = torch.cuda.is_available()
+                    self._stager = DefaultStager(StagingOptions(pinned, pinned, False, False))
+                stager = self._stager
+            fut = dcp.async_save(sd, checkpoint_id=str(tmp), process_group=self._async_pg,
+                                 async_checkpointer_type=kind, async_stager=stager)
+            self._pending = fut
+            self._pending_step = step
+            _fault_hook("TRAINLIB_FAULT_MID_SAVE", step)
+        self.last_blocked_s = time.perf_counter() - t0
+        logger.info(f"checkpoint step {step}: loop blocked {self.last_blocked_s:.3f} s ({mode})")
+
+    def wait(self) -> None:
+        """Block until an async save in flight is written and committed."""
+        if self._pending is None:
+            return
+        fut, step = self._pending, self._pending_step
+        self._pending = None
+        fut.result()  # raises if the background save failed: better than a silent gap
+        self._commit(step)
+
+    def _commit(self, step: int) -> None:
+        # DCP writes .metadata on rank 0 only after every rank's shards are
+        # written, so once rank 0 is here the folder is complete.
+        if self.rank != 0:
+            return
+        tmp, final = self.root / f"step-{step}.tmp", step_folder(self.root, step)
+        if final.exists():  # re-saving a step after load_step went back in time
+            shutil.rmtree(final)
+        os.replace(tmp, final)
+        if self.cfg.keep_latest_k:
+            for old in complete_steps(self.root)[: -self.cfg.keep_latest_k]:
+                shutil.rmtree(step_folder(self.root, old), ignore_errors=True)
+
+    def export_hf(self, out_dir: str | os.PathLike) -> None:
+        """Write the latest complete checkpoint as HF safetensors. Rank 0 reads
+        it back from disk, which gathers every shard of every layout (PP stages
+        included) without collectives."""
+        self.wait()
+        self._barrier()
+        if self.rank == 0:
+            from trainlib.convert import dcp_to_hf
+
+            step = latest_step(self.root)
+            if step is None:
+                raise ValueError(f"checkpoint.export_hf: no complete checkpoint in {self.root} to export")
+            dcp_to_hf(step_folder(self.root, step), out_dir)
+            logger.info(f"exported step {step} in Hugging Face format to {out_dir}")
+        self._barrier()
+
+    def close(self) -> None:
+        self.wait()
+        if self._stager is not None:
+            self._stager.close()
+            self._stager = None
+
+    def _barrier(self) -> None:
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+
+
+def _fault_hook(var: str, step: int) -> None:
+    """Test hook for elastic-restart tests: `TRAINLIB_FAULT_AT_STEP=k` (after
+    step k's save) or `TRAINLIB_FAULT_MID_SAVE=k` (after step k's shards are
+    written, before the checkpoint is committed) SIGKILLs rank
+    `TRAINLIB_FAULT_RANK` (default 0) in the first incarnation of a torchrun job
+    only, so the restarted job runs through."""
+    if os.environ.get(var) != str(step) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
+        return
+    if int(os.environ.get("RANK", 0)) == int(os.environ.get("TRAINLIB_FAULT_RANK", 0)):
+        os.kill(os.getpid(), signal.SIGKILL)
