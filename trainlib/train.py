@@ -25,6 +25,7 @@ from trainlib.metrics import MetricsLogger, setup_logging
 from trainlib.models.llama3 import Transformer, count_params, flops_per_token, get_model_args, parallelize_llama
 from trainlib.optim import build_lr_scheduler, build_optimizer
 from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
+from trainlib.parallel.cp import shard_batch
 
 logger = logging.getLogger("trainlib")
 
@@ -95,6 +96,8 @@ def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tenso
     device = job.info.device
     loss_sum = torch.zeros((), device=device)
     for mb in micro_batches:
+        if job.dims.cp_enabled:  # this rank's sequence chunks; apply_cp gives RoPE the matching positions
+            mb = shard_batch(mb, job.dims.mesh("cp"), job.cfg.parallelism.cp_load_balance)
         logits = model(mb["input"].to(device))
         loss = cross_entropy_sum(logits, mb["labels"].to(device)) / n_targets
         del logits  # free the largest activation before backward allocates

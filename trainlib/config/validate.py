@@ -45,3 +45,17 @@ def validate_job(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs, toke
             f"every pipeline stage needs at least one layer"
         )
     resolve_local_batch_size(cfg, dims)
+    _validate_cp(cfg, dims)
+
+
+def _validate_cp(cfg: JobConfig, dims: ParallelDims) -> None:
+    if dims.cp == 1:
+        return
+    seq, lb = cfg.training.seq_len, cfg.parallelism.cp_load_balance
+    chunks = 2 * dims.cp if lb else dims.cp
+    if seq % chunks:
+        layout = f"2 * cp = {chunks} (load-balanced layout)" if lb else f"cp = {chunks}"
+        raise ConfigError(
+            f"training.seq_len ({seq}) must be divisible by {layout} for context parallelism; "
+            f"e.g. set training.seq_len to {max(1, seq // chunks) * chunks}"
+        )

@@ -17,6 +17,9 @@ class ParallelismConfig:
     # except where it is known to be wrong or wasteful; "always"/"never" force it.
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
     fsdp_cpu_offload: bool = False
+    # Context parallel: each cp rank holds sequence chunks r and 2*cp-1-r so that
+    # causal attention work is equal across ranks; false keeps one contiguous chunk.
+    cp_load_balance: bool = True
 
     def __post_init__(self) -> None:
         for key in ("dp_replicate", "cp", "tp", "pp"):

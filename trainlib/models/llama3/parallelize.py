@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from trainlib.parallel.config import ParallelismConfig
+from trainlib.parallel.cp import apply_cp
 from trainlib.parallel.fsdp import apply_fsdp
 from trainlib.parallel.parallel_dims import ParallelDims
 
@@ -29,6 +30,8 @@ def parallelize_llama(
     param_dtype: torch.dtype = torch.float32,
     reduce_dtype: torch.dtype = torch.float32,
 ) -> nn.Module:
+    if parallel_dims.cp_enabled:
+        apply_cp(model, parallel_dims.mesh("cp"), load_balance=parallelism.cp_load_balance)
     # Data parallelism is applied whenever more than one rank holds distinct
     # tokens, and also on one rank when a lower parameter precision is asked:
     # FSDP's mixed-precision policy is the one place that casts parameters.
