@@ -61,13 +61,14 @@ def _attention_matches_sdpa(rank, world, cases_by_cp):
             def mine(t):
                 return shard_sequence(t, cp, cp_rank, load_balance, dim=2)
 
-            local = [mine(t).requires_grad_() for t in (q, k, v)]
-            out = cp_sdpa(*local, group=group, cp=cp, rank=cp_rank, load_balance=load_balance)
-            out.backward(mine(dout))
-            what = f"cp={cp} seq={seq} heads={heads}/{kv_heads} lb={load_balance} rank={rank}"
-            torch.testing.assert_close(out, mine(ref), msg=what)
-            for name, t, r in zip("qkv", local, ref_in):
-                torch.testing.assert_close(t.grad, mine(r.grad), msg=f"d{name} {what}")
+            for kernel in ("lse", "mask"):
+                local = [mine(t).requires_grad_() for t in (q, k, v)]
+                out = cp_sdpa(*local, group=group, cp=cp, rank=cp_rank, load_balance=load_balance, kernel=kernel)
+                out.backward(mine(dout))
+                what = f"{kernel} cp={cp} seq={seq} heads={heads}/{kv_heads} lb={load_balance} rank={rank}"
+                torch.testing.assert_close(out, mine(ref), msg=lambda m, w=what: f"{w}: {m}")
+                for name, t, r in zip("qkv", local, ref_in):
+                    torch.testing.assert_close(t.grad, mine(r.grad), msg=lambda m, w=f"d{name} {what}": f"{w}: {m}")
 
 
 def _model_matches_single_device(rank, world, cp_mesh):

@@ -9,22 +9,25 @@ the last rank then does about (2*cp-1)/cp times the average work).
 forward pre-hook gives the model the matching RoPE positions.
 
 Attention. K and V of the local chunks are all-gathered over the cp mesh into
-the full sequence; each local query chunk g then attends to keys [0, (g+1)*C)
-with a bottom-right causal mask, which is exactly the rows of full causal
-attention that this rank owns. The backward of the all-gather is a
-reduce-scatter (sum) of dK/dV, so gradients are exact too; everything else is
-ordinary autograd through `F.scaled_dot_product_attention`. This is the
-all-gather form of CP that Llama 3 was trained with: with GQA, K/V are small
-(n_kv_heads/n_heads of Q), so gathering them once per layer is cheap and needs
-no ring schedule. It is the same code on CPU (gloo) and CUDA. torch's own
+the full sequence; each local query chunk g then attends to keys [0, (g+1)*C):
+the prefix [0, g*C) unmasked and the diagonal block causally, the two flash
+results merged by their log-sum-exp (no mask is materialised). That is exactly
+the rows of full causal attention this rank owns. The backward of the
+all-gather is a reduce-scatter (sum) of dK/dV, and the merged attention's
+backward reuses the flash backward with the merged output and log-sum-exp, so
+gradients are exact too. This is the all-gather form of CP that Llama 3 was
+trained with: with GQA, K/V are small (n_kv_heads/n_heads of Q), so gathering
+them once per layer is cheap and needs no ring schedule. The log-sum-exp
+kernel is CPU's flash attention (a private aten op); on other devices each
+chunk is one masked public SDPA call (also exact; the additive mask costs
+C x (g+1)*C elements per local chunk, shared by all layers). torch's own
 experimental `context_parallel` has no CPU SDPA handler in torch 2.13.
 
 Per layer and micro-batch, each rank receives (cp-1)/cp * 2*b*S*n_kv_heads*head_dim
 elements in forward (all-gather of K and V) and sends as many in backward
 (reduce-scatter of dK, dV); nothing else is communicated. Memory per rank:
-activations of S/cp tokens, plus the gathered K/V (2*S*n_kv_heads*head_dim per
-layer, kept for backward) and one boolean mask per local chunk shared by all
-layers (C x (g+1)*C bytes).
+activations of S/cp tokens plus the gathered K/V (2*b*S*n_kv_heads*head_dim per
+layer, kept for backward).
 
 Attention is plain causal over each packed window, with and without CP: the
 data path's document-relative `position_ids` are not used by the model
@@ -133,48 +136,97 @@ def _global_to_slots(x: torch.Tensor, cp: int, load_balance: bool) -> torch.Tens
     return by_slot.unflatten(-3, (cp, k)).movedim(-4, 0).flatten(-3, -2)  # [cp, ..., s_local, d]
 
 
+# CPU flash attention with its log-sum-exp (private aten ops, stable since
+# torch 2.2). Where they are missing, attention falls back to one masked SDPA
+# call per chunk: also exact, but the mask costs O(S^2/cp) memory.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+class _PrefixCausalAttention(torch.autograd.Function):
+    """Attention of one query chunk over [prefix keys (all visible), diagonal
+    keys (causal)], without materialising a mask: two flash calls merged by
+    their log-sum-exp. Backward runs the flash backward of each part with the
+    merged output and log-sum-exp, which is exactly the gradient of the whole
+    (the same identity ring attention relies on)."""
+
+    @staticmethod
+    def forward(ctx, q, k_pre, v_pre, k_diag, v_diag):
+        out, lse = _FLASH_CPU(q, k_diag, v_diag, 0.0, True)
+        if k_pre.shape[2]:
+            out_pre, lse_pre = _FLASH_CPU(q, k_pre, v_pre, 0.0, False)
+            merged = torch.logaddexp(lse, lse_pre)
+            acc = torch.promote_types(q.dtype, torch.float32)  # merge bf16 parts in fp32
+            out = ((out.to(acc) * (lse - merged).exp().unsqueeze(-1))
+                   + (out_pre.to(acc) * (lse_pre - merged).exp().unsqueeze(-1))).to(q.dtype)
+            lse = merged
+        ctx.save_for_backward(q, k_pre, v_pre, k_diag, v_diag, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k_pre, v_pre, k_diag, v_diag, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dq, dk_diag, dv_diag = _FLASH_CPU_BWD(grad_out, q, k_diag, v_diag, out, lse, 0.0, True)
+        dk_pre = dv_pre = None
+        if k_pre.shape[2]:
+            dq_pre, dk_pre, dv_pre = _FLASH_CPU_BWD(grad_out, q, k_pre, v_pre, out, lse, 0.0, False)
+            dq = dq + dq_pre
+        return dq, dk_pre, dv_pre, dk_diag, dv_diag
+
+
 class _MaskCache:
-    """Bottom-right causal masks, one per (chunk index, chunk length, device),
-    shared by every layer so autograd keeps a single copy."""
+    """Additive bottom-right causal masks, one per (chunk index, chunk length,
+    device, dtype), shared by every layer so autograd keeps a single copy
+    (SDPA would convert a boolean mask into a new float tensor per call)."""
 
     def __init__(self) -> None:
         self._masks: dict[tuple, torch.Tensor] = {}
 
-    def get(self, g: int, c: int, device: torch.device) -> torch.Tensor:
-        key = (g, c, str(device))
+    def get(self, g: int, c: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        key = (g, c, str(device), dtype)
         mask = self._masks.get(key)
         if mask is None:
             if any(k[1] != c for k in self._masks):
                 self._masks.clear()  # another sequence length: the old masks are dead weight
             # query i of chunk g sits at global position g*c + i and sees keys 0..g*c+i
-            mask = torch.ones(c, (g + 1) * c, dtype=torch.bool, device=device).tril(diagonal=g * c)
+            visible = torch.ones(c, (g + 1) * c, dtype=torch.bool, device=device).tril(diagonal=g * c)
+            mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
             self._masks[key] = mask
         return mask
 
 
 def cp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup, cp: int, rank: int,
-            load_balance: bool = True, masks: _MaskCache | None = None) -> torch.Tensor:
+            load_balance: bool = True, masks: _MaskCache | None = None, kernel: str = "auto") -> torch.Tensor:
     """Causal attention of this rank's query chunks over the whole sequence.
 
     q: [b, h, s_local, d]; k, v: [b, h_kv, s_local, d] (h_kv may divide h: GQA),
     all in the layout of `shard_sequence`. Returns [b, h, s_local, d], equal to
-    this rank's rows of full causal SDPA.
+    this rank's rows of full causal SDPA. `kernel`: "lse" (CPU: flash parts
+    merged by log-sum-exp, no mask), "mask" (any device: one masked SDPA per
+    chunk) or "auto" (lse where available).
     """
     ids = chunk_ids(cp, rank, load_balance)
     c = q.shape[2] // len(ids)
     # one collective for K and V together
     k_full, v_full = _GatherSequence.apply(torch.stack([k, v]), group, cp, load_balance).unbind(0)
     gqa = q.shape[1] != k.shape[1]
+    if kernel == "auto":
+        kernel = "lse" if q.device.type == "cpu" and _FLASH_CPU is not None else "mask"
     masks = masks or _MaskCache()
     outs = []
     for j, g in enumerate(ids):
         qj = q[:, :, j * c:(j + 1) * c]
-        kj, vj = k_full[:, :, :(g + 1) * c], v_full[:, :, :(g + 1) * c]
-        if g == 0:  # square: the fused causal path, no mask
-            out = F.scaled_dot_product_attention(qj, kj, vj, is_causal=True, enable_gqa=gqa)
+        lo, hi = g * c, (g + 1) * c
+        if kernel == "lse":
+            out = _PrefixCausalAttention.apply(qj, k_full[:, :, :lo], v_full[:, :, :lo],
+                                               k_full[:, :, lo:hi], v_full[:, :, lo:hi])
+        elif g == 0:  # square: the fused causal path, no mask
+            out = F.scaled_dot_product_attention(qj, k_full[:, :, :hi], v_full[:, :, :hi], is_causal=True,
+                                                 enable_gqa=gqa)
         else:
-            mask = masks.get(g, c, q.device)
-            out = F.scaled_dot_product_attention(qj, kj, vj, attn_mask=mask, enable_gqa=gqa)
+            out = F.scaled_dot_product_attention(qj, k_full[:, :, :hi], v_full[:, :, :hi],
+                                                 attn_mask=masks.get(g, c, q.device, q.dtype), enable_gqa=gqa)
         outs.append(out)
     return torch.cat(outs, dim=2)
 
@@ -204,8 +256,8 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool = True
     def supply_positions(module: nn.Module, args: tuple, kwargs: dict):
         if kwargs.get("position_ids") is not None or len(args) > 1:
             return None
-        local = args[0].shape[1]
-        kwargs["position_ids"] = layout_positions(local * cp, cp, rank, load_balance, args[0].device).unsqueeze(0)
+        x = args[0] if args else kwargs["tokens"]  # token ids, or hidden states on a later pipeline stage
+        kwargs["position_ids"] = layout_positions(x.shape[1] * cp, cp, rank, load_balance, x.device).unsqueeze(0)
         return args, kwargs
 
     model.register_forward_pre_hook(supply_positions, with_kwargs=True)
