@@ -164,8 +164,8 @@ def test_parity_cp2_and_cp2_fsdp2():
 
 
 @pytest.mark.slow
-def test_parity_cp4_contiguous_layout_and_grad_accum():
-    _parity(["cp=4", "cp=2,cp_load_balance=false", "cp=2,training.local_batch_size=4"])
+def test_parity_cp4_contiguous_layout_grad_accum_hsdp():
+    _parity(["cp=4", "cp=2,cp_load_balance=false", "cp=2,training.local_batch_size=4", "dp_replicate=2,cp=2"])
 
 
 def _has_axis(module):
