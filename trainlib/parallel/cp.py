@@ -84,7 +84,8 @@ def layout_positions(seq_len: int, cp: int, rank: int, load_balance: bool = True
     return shard_sequence(torch.arange(seq_len, device=device), cp, rank, load_balance, dim=0)
 
 
-def shard_batch(batch: dict[str, torch.Tensor], cp_mesh: DeviceMesh, load_balance: bool = True) -> dict[str, torch.Tensor]:
+def shard_batch(batch: dict[str, torch.Tensor], cp_mesh: DeviceMesh,
+                load_balance: bool = True) -> dict[str, torch.Tensor]:
     """Cut every [b, seq] tensor of a micro-batch (input, labels, position_ids)
     to this cp rank's chunks. Ranks of one cp group load the same batch."""
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
