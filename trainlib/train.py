@@ -33,6 +33,7 @@ from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
 from trainlib.parallel.pp import Pipeline, build_pipeline
 from trainlib.parallel.tp import loss_context
 from trainlib.parallel.compile import maybe_compile_loss
+from trainlib.parallel.cp import shard_batch
 
 logger = logging.getLogger("trainlib")
 
@@ -122,6 +123,9 @@ def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tenso
     """Forward and backward over one step's micro-batches; returns this rank's
     share of the global mean loss (summing it over dp_cp, and pp, gives the loss)."""
     device = job.info.device
+    if job.dims.cp_enabled:  # this rank's sequence chunks; apply_cp gives RoPE the matching positions
+        cp_mesh = job.dims.mesh("cp")
+        micro_batches = [shard_batch(mb, cp_mesh, job.cfg.parallelism.cp_load_balance) for mb in micro_batches]
     # Vocab-sharded logits under TP: the loss's forward and backward run on shards.
     with loss_context(job.dims.tp_enabled and job.cfg.parallelism.tp_loss_parallel):
         if job.pipeline is not None:

@@ -46,6 +46,7 @@ def validate_job(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs, toke
         )
     resolve_local_batch_size(cfg, dims)
     _validate_tp_pp(cfg, dims, model_args)
+    _validate_cp(cfg, dims)
 
 
 def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -> None:
@@ -113,3 +114,16 @@ def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -
         raise ConfigError(
             f"parallelism.pp_schedule '{sched}' with fsdp_reshard_after_forward = 'always' trains silently wrong "
             f"on torch 2.13 (loss off by ~2e-2 from step 2); use 'default' (False under PP) or 'never'")
+
+
+def _validate_cp(cfg: JobConfig, dims: ParallelDims) -> None:
+    if dims.cp == 1:
+        return
+    seq, lb = cfg.training.seq_len, cfg.parallelism.cp_load_balance
+    chunks = 2 * dims.cp if lb else dims.cp
+    if seq % chunks:
+        layout = f"2 * cp = {chunks} (load-balanced layout)" if lb else f"cp = {chunks}"
+        raise ConfigError(
+            f"training.seq_len ({seq}) must be divisible by {layout} for context parallelism; "
+            f"e.g. set training.seq_len to {max(1, seq // chunks) * chunks}"
+        )

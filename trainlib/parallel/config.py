@@ -27,6 +27,9 @@ class ParallelismConfig:
     pp_microbatches: int | None = None  # per local batch; default: the number of stages
     pp_stages_per_rank: int | None = None  # default: 1 for GPipe/1F1B, 2 for the others
     pp_layers_per_stage: list[int] | None = None  # one count per stage; default: even split
+    # Context parallel: each cp rank holds sequence chunks r and 2*cp-1-r so that
+    # causal attention work is equal across ranks; false keeps one contiguous chunk.
+    cp_load_balance: bool = True
 
     def __post_init__(self) -> None:
         for key in ("dp_replicate", "cp", "tp", "pp"):

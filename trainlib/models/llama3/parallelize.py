@@ -19,6 +19,7 @@ from torch import nn
 from trainlib.parallel.ac import ActivationCheckpointConfig, apply_ac
 from trainlib.parallel.compile import CompileConfig, apply_compile
 from trainlib.parallel.config import ParallelismConfig
+from trainlib.parallel.cp import apply_cp
 from trainlib.parallel.fsdp import apply_fsdp
 from trainlib.parallel.parallel_dims import ParallelDims
 from trainlib.parallel.tp import apply_tp
@@ -37,6 +38,8 @@ def parallelize_llama(
     if parallel_dims.tp_enabled:
         apply_tp(model, parallel_dims.mesh("tp"), sequence_parallel=parallelism.tp_sequence_parallel,
                  loss_parallel=parallelism.tp_loss_parallel, async_tp=parallelism.tp_async)
+    if parallel_dims.cp_enabled:
+        apply_cp(model, parallel_dims.mesh("cp"), load_balance=parallelism.cp_load_balance)
     if ac is not None:
         apply_ac(model, ac.mode, every_k=ac.every_k, selective_op_policy=ac.selective_op_policy)
     if compile is not None and compile.enable:

@@ -1,0 +1,265 @@
+"""Context parallelism: every attention layer sees only this rank's part of the sequence.
+
+Layout. The sequence of length S is cut into 2*cp equal chunks and cp rank r
+keeps chunks r and 2*cp-1-r (head and tail). Under a causal mask early chunks
+attend to little and late chunks to a lot, so pairing them gives every rank the
+same work (`load_balance=False` keeps one contiguous chunk of S/cp per rank;
+the last rank then does about (2*cp-1)/cp times the average work).
+`shard_batch` cuts inputs, labels and position ids with this layout and a
+forward pre-hook gives the model the matching RoPE positions.
+
+Attention. K and V of the local chunks are all-gathered over the cp mesh into
+the full sequence; each local query chunk g then attends to keys [0, (g+1)*C):
+the prefix [0, g*C) unmasked and the diagonal block causally, the two flash
+results merged by their log-sum-exp (no mask is materialised). That is exactly
+the rows of full causal attention this rank owns. The backward of the
+all-gather is a reduce-scatter (sum) of dK/dV, and the merged attention's
+backward reuses the flash backward with the merged output and log-sum-exp, so
+gradients are exact too. This is the all-gather form of CP that Llama 3 was
+trained with: with GQA, K/V are small (n_kv_heads/n_heads of Q), so gathering
+them once per layer is cheap and needs no ring schedule. The log-sum-exp
+kernel is CPU's flash attention (a private aten op); on other devices each
+chunk is one masked public SDPA call (also exact; the additive mask costs
+C x (g+1)*C elements per local chunk, shared by all layers). torch's own
+experimental `context_parallel` has no CPU SDPA handler in torch 2.13.
+
+Per layer and micro-batch, each rank receives (cp-1)/cp * 2*b*S*n_kv_heads*head_dim
+elements in forward (all-gather of K and V) and sends as many in backward
+(reduce-scatter of dK, dV); nothing else is communicated. Memory per rank:
+activations of S/cp tokens plus the gathered K/V (2*b*S*n_kv_heads*head_dim per
+layer, kept for backward).
+
+Attention is plain causal over each packed window, with and without CP: the
+data path's document-relative `position_ids` are not used by the model
+(document-causal masking is not implemented), so RoPE positions are the
+window positions 0..S-1, permuted by the layout.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+__all__ = ["apply_cp", "chunk_ids", "cp_sdpa", "layout_positions", "shard_batch", "shard_sequence", "unshard_sequence"]
+
+
+def chunk_ids(cp: int, rank: int, load_balance: bool = True) -> list[int]:
+    """Global indices of the chunks rank `rank` holds, in local order."""
+    return [rank, 2 * cp - 1 - rank] if load_balance else [rank]
+
+
+def _num_chunks(cp: int, load_balance: bool) -> int:
+    return 2 * cp if load_balance else cp
+
+
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, load_balance: bool = True, dim: int = 1) -> torch.Tensor:
+    """This rank's part of `x` along `dim` (the full sequence)."""
+    n = _num_chunks(cp, load_balance)
+    if x.shape[dim] % n:
+        raise ValueError(f"sequence length {x.shape[dim]} is not divisible by {n} chunks (cp={cp}, "
+                         f"load_balance={load_balance})")
+    chunks = x.chunk(n, dim=dim)
+    return torch.cat([chunks[g] for g in chunk_ids(cp, rank, load_balance)], dim=dim)
+
+
+def unshard_sequence(parts: list[torch.Tensor], load_balance: bool = True, dim: int = 1) -> torch.Tensor:
+    """Inverse of `shard_sequence`: the full sequence from every rank's part (rank order)."""
+    cp = len(parts)
+    k = len(chunk_ids(cp, 0, load_balance))
+    chunks: dict[int, torch.Tensor] = {}
+    for rank, part in enumerate(parts):
+        for g, c in zip(chunk_ids(cp, rank, load_balance), part.chunk(k, dim=dim)):
+            chunks[g] = c
+    return torch.cat([chunks[g] for g in range(len(chunks))], dim=dim)
+
+
+def layout_positions(seq_len: int, cp: int, rank: int, load_balance: bool = True,
+                     device: torch.device | str | None = None) -> torch.Tensor:
+    """Positions 0..seq_len-1 of the tokens this rank holds, in local order."""
+    return shard_sequence(torch.arange(seq_len, device=device), cp, rank, load_balance, dim=0)
+
+
+def shard_batch(batch: dict[str, torch.Tensor], cp_mesh: DeviceMesh,
+                load_balance: bool = True) -> dict[str, torch.Tensor]:
+    """Cut every [b, seq] tensor of a micro-batch (input, labels, position_ids)
+    to this cp rank's chunks. Ranks of one cp group load the same batch."""
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    return {key: shard_sequence(t, cp, rank, load_balance, dim=1) for key, t in batch.items()}
+
+
+class _GatherSequence(torch.autograd.Function):
+    """All-gather along the sequence (dim -2) into global order; backward
+    reduce-scatters the gradient, so every rank gets the sum of what all
+    ranks' queries contributed to its keys and values."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, group: dist.ProcessGroup, cp: int, load_balance: bool) -> torch.Tensor:
+        ctx.group, ctx.cp, ctx.load_balance = group, cp, load_balance
+        x = x.contiguous()
+        # gloo wants the ranks' tensors concatenated along dim 0
+        slots = x.new_empty((cp * x.shape[0], *x.shape[1:]))
+        dist.all_gather_single(slots, x, group=group)
+        return _slots_to_global(slots.unflatten(0, (cp, -1)), cp, load_balance)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        slots = _global_to_slots(grad, ctx.cp, ctx.load_balance).flatten(0, 1).contiguous()
+        out = grad.new_empty((slots.shape[0] // ctx.cp, *slots.shape[1:]))
+        dist.reduce_scatter_single(out, slots, group=ctx.group)
+        return out, None, None, None
+
+
+def _slot_order(cp: int, load_balance: bool) -> list[int]:
+    # slot i (rank-major, chunk-minor) holds global chunk order[i]
+    return [g for r in range(cp) for g in chunk_ids(cp, r, load_balance)]
+
+
+def _slots_to_global(slots: torch.Tensor, cp: int, load_balance: bool) -> torch.Tensor:
+    # slots: [cp, ..., s_local, d] -> [..., S, d]
+    order = _slot_order(cp, load_balance)
+    k = len(order) // cp
+    by_slot = slots.unflatten(-2, (k, -1)).movedim(0, -4).flatten(-4, -3)  # [..., cp*k, C, d]
+    inverse = torch.empty(len(order), dtype=torch.long)
+    inverse[torch.tensor(order)] = torch.arange(len(order))
+    return by_slot.index_select(-3, inverse.to(slots.device)).flatten(-3, -2)
+
+
+def _global_to_slots(x: torch.Tensor, cp: int, load_balance: bool) -> torch.Tensor:
+    order = _slot_order(cp, load_balance)
+    k = len(order) // cp
+    by_chunk = x.unflatten(-2, (len(order), -1))  # [..., n_chunks, C, d]
+    by_slot = by_chunk.index_select(-3, torch.tensor(order, device=x.device))
+    return by_slot.unflatten(-3, (cp, k)).movedim(-4, 0).flatten(-3, -2)  # [cp, ..., s_local, d]
+
+
+# CPU flash attention with its log-sum-exp (private aten ops, stable since
+# torch 2.2). Where they are missing, attention falls back to one masked SDPA
+# call per chunk: also exact, but the mask costs O(S^2/cp) memory.
+_FLASH_CPU = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+_FLASH_CPU_BWD = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+
+
+class _PrefixCausalAttention(torch.autograd.Function):
+    """Attention of one query chunk over [prefix keys (all visible), diagonal
+    keys (causal)], without materialising a mask: two flash calls merged by
+    their log-sum-exp. Backward runs the flash backward of each part with the
+    merged output and log-sum-exp, which is exactly the gradient of the whole
+    (the same identity ring attention relies on)."""
+
+    @staticmethod
+    def forward(ctx, q, k_pre, v_pre, k_diag, v_diag):
+        out, lse = _FLASH_CPU(q, k_diag, v_diag, 0.0, True)
+        if k_pre.shape[2]:
+            out_pre, lse_pre = _FLASH_CPU(q, k_pre, v_pre, 0.0, False)
+            merged = torch.logaddexp(lse, lse_pre)
+            acc = torch.promote_types(q.dtype, torch.float32)  # merge bf16 parts in fp32
+            out = ((out.to(acc) * (lse - merged).exp().unsqueeze(-1))
+                   + (out_pre.to(acc) * (lse_pre - merged).exp().unsqueeze(-1))).to(q.dtype)
+            lse = merged
+        ctx.save_for_backward(q, k_pre, v_pre, k_diag, v_diag, out, lse)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        q, k_pre, v_pre, k_diag, v_diag, out, lse = ctx.saved_tensors
+        grad_out = grad_out.contiguous()
+        dq, dk_diag, dv_diag = _FLASH_CPU_BWD(grad_out, q, k_diag, v_diag, out, lse, 0.0, True)
+        dk_pre = dv_pre = None
+        if k_pre.shape[2]:
+            dq_pre, dk_pre, dv_pre = _FLASH_CPU_BWD(grad_out, q, k_pre, v_pre, out, lse, 0.0, False)
+            dq = dq + dq_pre
+        return dq, dk_pre, dv_pre, dk_diag, dv_diag
+
+
+class _MaskCache:
+    """Additive bottom-right causal masks, one per (chunk index, chunk length,
+    device, dtype), shared by every layer so autograd keeps a single copy
+    (SDPA would convert a boolean mask into a new float tensor per call)."""
+
+    def __init__(self) -> None:
+        self._masks: dict[tuple, torch.Tensor] = {}
+
+    def get(self, g: int, c: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+        key = (g, c, str(device), dtype)
+        mask = self._masks.get(key)
+        if mask is None:
+            if any(k[1] != c for k in self._masks):
+                self._masks.clear()  # another sequence length: the old masks are dead weight
+            # query i of chunk g sits at global position g*c + i and sees keys 0..g*c+i
+            visible = torch.ones(c, (g + 1) * c, dtype=torch.bool, device=device).tril(diagonal=g * c)
+            mask = torch.zeros(visible.shape, dtype=dtype, device=device).masked_fill_(~visible, float("-inf"))
+            self._masks[key] = mask
+        return mask
+
+
+def cp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup, cp: int, rank: int,
+            load_balance: bool = True, masks: _MaskCache | None = None, kernel: str = "auto") -> torch.Tensor:
+    """Causal attention of this rank's query chunks over the whole sequence.
+
+    q: [b, h, s_local, d]; k, v: [b, h_kv, s_local, d] (h_kv may divide h: GQA),
+    all in the layout of `shard_sequence`. Returns [b, h, s_local, d], equal to
+    this rank's rows of full causal SDPA. `kernel`: "lse" (CPU: flash parts
+    merged by log-sum-exp, no mask), "mask" (any device: one masked SDPA per
+    chunk) or "auto" (lse where available).
+    """
+    ids = chunk_ids(cp, rank, load_balance)
+    c = q.shape[2] // len(ids)
+    # one collective for K and V together
+    k_full, v_full = _GatherSequence.apply(torch.stack([k, v]), group, cp, load_balance).unbind(0)
+    gqa = q.shape[1] != k.shape[1]
+    if kernel == "auto":
+        kernel = "lse" if q.device.type == "cpu" and _FLASH_CPU is not None else "mask"
+    masks = masks or _MaskCache()
+    outs = []
+    for j, g in enumerate(ids):
+        qj = q[:, :, j * c:(j + 1) * c]
+        lo, hi = g * c, (g + 1) * c
+        if kernel == "lse":
+            out = _PrefixCausalAttention.apply(qj, k_full[:, :, :lo], v_full[:, :, :lo],
+                                               k_full[:, :, lo:hi], v_full[:, :, lo:hi])
+        elif g == 0:  # square: the fused causal path, no mask
+            out = F.scaled_dot_product_attention(qj, k_full[:, :, :hi], v_full[:, :, :hi], is_causal=True,
+                                                 enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(qj, k_full[:, :, :hi], v_full[:, :, :hi],
+                                                 attn_mask=masks.get(g, c, q.device, q.dtype), enable_gqa=gqa)
+        outs.append(out)
+    return torch.cat(outs, dim=2)
+
+
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool = True) -> nn.Module:
+    """Route every block's attention kernel to `cp_sdpa` on `cp_mesh`, and make
+    RoPE follow the chunk layout.
+
+    The model's `Attention.sdpa` is replaced per module instance (the model
+    file stays single-device). A forward pre-hook on the model supplies
+    `position_ids` (this rank's window positions) whenever the caller passes
+    none, so every caller, pipeline stages included, gets the right RoPE
+    without threading positions through. Inputs must already be sharded with
+    `shard_batch`.
+    """
+    cp, rank, group = cp_mesh.size(), cp_mesh.get_local_rank(), cp_mesh.get_group()
+    kernel = functools.partial(cp_sdpa, group=group, cp=cp, rank=rank, load_balance=load_balance,
+                               masks=_MaskCache())
+    n = 0
+    for module in model.modules():
+        if hasattr(module, "sdpa") and hasattr(module, "wq"):
+            module.sdpa = kernel
+            n += 1
+    if n == 0:
+        raise ValueError("apply_cp found no attention module (with `sdpa` and `wq`) to route")
+
+    def supply_positions(module: nn.Module, args: tuple, kwargs: dict):
+        if kwargs.get("position_ids") is not None or len(args) > 1:
+            return None
+        x = args[0] if args else kwargs["tokens"]  # token ids, or hidden states on a later pipeline stage
+        kwargs["position_ids"] = layout_positions(x.shape[1] * cp, cp, rank, load_balance, x.device).unsqueeze(0)
+        return args, kwargs
+
+    model.register_forward_pre_hook(supply_positions, with_kwargs=True)
+    return model
