@@ -237,8 +237,7 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
     Raises ConfigError/ValueError with the job's own one-line message for a bad layout."""
     from trainlib.config import ConfigError, load_job_config
     from trainlib.config.validate import resolve_local_batch_size, validate_job
-    from trainlib.float8 import convert_float8
-    from trainlib.models.llama3 import Transformer, count_params, flops_per_token, get_model_args, parallelize_llama
+    from trainlib.models.llama3 import flops_per_token, get_model_args
     from trainlib.models.llama3.parallelize import uses_fsdp
     from trainlib.parallel import ParallelDims
     from trainlib.parallel import pp as pp_lib
@@ -261,26 +260,12 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
     elem = _DTYPE_BYTES[t.mixed_precision_param]
     reduce_elem = _DTYPE_BYTES[t.mixed_precision_reduce]
 
-    _fake_world(world_size)
-    dims.build_mesh("cpu")
-    with torch.device("meta"):
-        model = Transformer(args, rope_len=t.seq_len)
-    n_params = count_params(model)
-    fsdp = uses_fsdp(dims, param_dtype)
-    convert_float8(model, cfg.float8, fsdp=fsdp)
-
-    def parallelize(m: nn.Module) -> nn.Module:
-        return parallelize_llama(m, dims, par, param_dtype=param_dtype,
-                                 reduce_dtype={"float32": torch.float32, "bfloat16": torch.bfloat16}[
-                                     t.mixed_precision_reduce], ac=ac, compile=None)
-
     # Pipeline split exactly as pp.pipeline_llama does, for every pipeline rank.
     sched = par.pp_schedule
     per_rank = pp_lib.stages_per_rank(sched, par.pp_stages_per_rank) if dims.pp_enabled else 1
     n_stages = dims.pp * per_rank
     counts = pp_lib.layers_per_stage(args.n_layers, n_stages, par.pp_layers_per_stage) if dims.pp_enabled \
         else [args.n_layers]
-    starts = [sum(counts[:i]) for i in range(n_stages)]
     n_mb = (par.pp_microbatches or n_stages) if dims.pp_enabled else 1
     mb = local_bs // n_mb
     tp, sp, cp = dims.tp, dims.tp_enabled and par.tp_sequence_parallel, dims.cp
@@ -295,20 +280,10 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
         block_params = sum(p.numel() for p in TransformerBlock(args).parameters())
     root_params = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2) + args.dim
 
+    fsdp = uses_fsdp(dims, param_dtype)
+    n_params, built = _build_parallel(cfg, dims, args, param_dtype, counts, per_rank)
     stage_plans = []
-    for pp_rank in range(dims.pp):
-        sids = pp_lib.stage_ids(pp_rank, dims.pp, per_rank, sched) if dims.pp_enabled else [0]
-        parts, layers = [], []
-        for sid in sids:
-            if dims.pp_enabled:
-                part = pp_lib.split_stage(model, starts[sid], counts[sid], sid == 0, sid == n_stages - 1)
-            else:
-                part = model
-            parts.append(parallelize(part))
-            layers += list(range(starts[sid], starts[sid] + counts[sid]))
-        has_emb = any(p.tok_embeddings is not None for p in parts)
-        has_out = any(p.output is not None for p in parts)
-        st = state_bytes(parts)
+    for pp_rank, (sids, layers, has_emb, has_out, st) in enumerate(built):
         in_flight = microbatches_in_flight(sched, dims.pp, pp_rank, n_mb, per_rank) if dims.pp_enabled else 1
         kept, recompute = _layer_bytes(args, layers, mb_tokens, tp=tp, sp=sp, elem=elem, ac=ac)
         # `kept` covers all this rank's layers for one micro-batch; in flight
@@ -316,6 +291,8 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
         act = kept * in_flight / per_rank
         if has_emb:
             act += 8 * mb_tokens * in_flight / per_rank  # token ids kept by the embedding
+        if has_out:  # final norm (as in a block) and the output projection's input
+            act += ((8 * args.dim + 4) / (tp if sp else 1) + elem * args.dim) * mb_tokens * in_flight / per_rank
         # Logits and loss of one micro-batch at the start of its backward: fp32
         # log-probs (saved), their fp32 gradient and the fp32 logits gradient;
         # GPipe-like schedules keep every micro-batch's log-probs.
@@ -430,6 +407,66 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
     )
 
 
+_BUILT: dict = {}  # (layout, model, precision) -> result of _build_parallel; --suggest varies only AC on top
+
+
+def _build_parallel(cfg, dims, args, param_dtype, counts, per_rank):
+    """Build the model on meta and parallelize it as trainlib.train.setup does,
+    on a fake process group as rank 0; under PP, for every pipeline rank's
+    stages (stage split as pp.pipeline_llama does). Returns (parameter count,
+    [(stage ids, block indices, has embedding, has output, state_bytes)] per
+    pipeline rank). AC does not change parameters, so it is not applied here."""
+    from trainlib.float8 import convert_float8
+    from trainlib.models.llama3 import Transformer, count_params, parallelize_llama
+    from trainlib.models.llama3.parallelize import uses_fsdp
+    from trainlib.parallel import pp as pp_lib
+
+    t, par = cfg.training, cfg.parallelism
+    key = (args, dims.world_size, tuple(dims.degrees().items()), par.pp_schedule, per_rank, tuple(counts),
+           t.mixed_precision_param, t.mixed_precision_reduce, repr(cfg.float8), par.tp_sequence_parallel,
+           par.tp_loss_parallel, par.fsdp_reshard_after_forward)
+    if key in _BUILT:
+        return _BUILT[key]
+    _fake_world(dims.world_size)
+    dims.build_mesh("cpu")
+    with torch.device("meta"):
+        model = Transformer(args, rope_len=t.seq_len)
+    n_params = count_params(model)
+    convert_float8(model, cfg.float8, fsdp=uses_fsdp(dims, param_dtype))
+    reduce_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[t.mixed_precision_reduce]
+    n_stages = dims.pp * per_rank
+    starts = [sum(counts[:i]) for i in range(n_stages)]
+    out = []
+    for pp_rank in range(dims.pp):
+        sids = pp_lib.stage_ids(pp_rank, dims.pp, per_rank, par.pp_schedule) if dims.pp_enabled else [0]
+        parts, layers = [], []
+        for sid in sids:
+            part = _split(model, starts[sid], counts[sid], sid == 0, sid == n_stages - 1) if dims.pp_enabled \
+                else model
+            parts.append(parallelize_llama(part, dims, par, param_dtype=param_dtype, reduce_dtype=reduce_dtype))
+            layers += list(range(starts[sid], starts[sid] + counts[sid]))
+        out.append((sids, layers, any(p.tok_embeddings is not None for p in parts),
+                    any(p.output is not None for p in parts), state_bytes(parts)))
+    if len(_BUILT) > 64:
+        _BUILT.clear()
+    _BUILT[key] = (n_params, out)
+    return n_params, out
+
+
+def _split(model: nn.Module, first: int, n: int, is_first: bool, is_last: bool) -> nn.Module:
+    """`pp.split_stage`, made fast for big models: it deep-copies the whole
+    model before deleting blocks, so hand it a model holding only this
+    stage's blocks (the result is the same module)."""
+    from trainlib.parallel.pp import split_stage
+
+    all_layers = model.layers
+    model.layers = nn.ModuleDict({str(i): all_layers[str(i)] for i in range(first, first + n)})
+    try:
+        return split_stage(model, first, n, is_first, is_last)
+    finally:
+        model.layers = all_layers
+
+
 def _tokenizer_vocab(cfg, args) -> int:
     """The tokenizer's vocabulary when its files are here; recipes for clusters
     name paths that exist only there, so otherwise the model's is assumed."""
@@ -492,24 +529,24 @@ def suggest(recipe: str | None, world_size: int, gpu: str = "h100", overrides: l
 
 
 def format_plan(p: Plan) -> str:
-    g = lambda b: f"{b / GiB:8.2f}"  # noqa: E731
+    unit, div = ("GiB", GiB) if p.max_total_bytes >= GiB else ("MiB", 2**20)
     deg = " ".join(f"{k}={v}" for k, v in p.degrees.items())
     lines = [
-        f"plan: {p.recipe} on {p.world_size} x {GPUS[p.gpu].name} | {p.model} {p.n_params / 1e9:.2f}B params",
+        f"plan: {p.recipe} on {p.world_size} x {GPUS[p.gpu].name} | {p.model} {p.n_params / 1e9:.3g}B params",
         f"layout: {deg} | seq {p.seq_len} | local batch {p.local_batch_size} (micro-batch {p.microbatch}, "
         f"{p.pp_microbatches} pp micro-batches, accumulation {p.grad_accum}) | AC {p.ac}",
-        "intra-node axes (8 GPUs/node, tp innermost): "
+        f"links ({p.assumptions['gpus_per_node']} GPUs/node, tp innermost): "
         + ", ".join(f"{k}={'NVLink' if v else 'IB'}" for k, v in p.intra_node.items()),
         "",
-        "memory per rank (GiB)" + ("" if len(p.stages) == 1 else ", per pipeline rank"),
+        f"memory per rank ({unit})" + ("" if len(p.stages) == 1 else ", per pipeline rank"),
     ]
     keys = list(p.stages[0].memory)
-    head = f"  {'pp rank':<8}{'blocks':>10}" + "".join(f"{k:>13}" for k in keys) + f"{'total':>10}"
-    lines.append(head)
+    w = max(len(k) for k in keys) + 2
+    lines.append(f"  {'pp rank':<8}{'blocks':>12}" + "".join(f"{k:>{w}}" for k in keys) + f"{'total':>{w}}")
     for s in p.stages:
         lay = f"{len(s.layers)}" + ("+emb" if s.has_embedding else "") + ("+out" if s.has_output else "")
-        lines.append(f"  {s.pp_rank:<8}{lay:>10}" + "".join(f"{g(s.memory[k]):>13}" for k in keys)
-                     + f"{g(s.total_bytes):>10}")
+        lines.append(f"  {s.pp_rank:<8}{lay:>12}" + "".join(f"{s.memory[k] / div:>{w}.2f}" for k in keys)
+                     + f"{s.total_bytes / div:>{w}.2f}")
     lines += ["", "communication per rank per step"]
     for k, v in p.comm_bytes.items():
         lines.append(f"  {k:<26}{v / GiB:9.2f} GiB  {p.comm_seconds[k]:8.3f} s")
