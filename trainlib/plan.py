@@ -305,7 +305,7 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
         # under PP torch's PipelineStage turns gradient sync off until the last
         # micro-batch, so FSDP accumulates every block's unsharded gradient in
         # the reduce dtype.
-        if fsdp and dims.dp_shard * cp > 1:
+        if fsdp:  # FSDP on one rank still all-gathers (casts) into bf16 copies
             n_blocks = min(2, len(layers)) if reshard else len(layers)
             root = (args.vocab_size * args.dim / tp) * (int(has_emb) + int(has_out))
             gathered = elem * (block_params / tp * n_blocks + root)
