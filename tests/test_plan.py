@@ -189,3 +189,12 @@ def test_suggest_ranks_fitting_layouts_by_step_time():
     assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
     assert all(r["tp"] * r["pp"] * r["cp"] * r["dp_replicate"] * r["dp_shard"] == 8 for r in rows)
     assert {r["tp"] for r in rows} == {1, 2}  # tp divides the 2 kv heads
+
+
+def test_every_shipped_recipe_plans_and_fits_its_target_cluster():
+    from test_recipes import WORLD
+
+    for name, world in WORLD.items():
+        plan = make_plan(str(RECIPES / name), world, "h100")
+        assert plan.fits, f"{name} on {world} GPUs: {plan.max_total_bytes / GiB:.1f} GiB"
+        assert name == "debug.toml" or plan.model.startswith("llama3.")
