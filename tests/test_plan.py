@@ -9,7 +9,6 @@ import torch
 
 from conftest import RECIPES
 from dist_utils import spawn
-from trainlib.config import ConfigError
 from trainlib.models.llama3 import Transformer, get_model_args
 from trainlib.parallel.ac import apply_ac
 from trainlib.plan import GiB, block_activation_bytes_per_token, main, make_plan, suggest
@@ -62,7 +61,8 @@ def test_state_bytes_equal_a_real_fsdp_run(tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("layout", [["--parallelism.tp=2"], ["--parallelism.pp=2", "--parallelism.tp=2"]])
+@pytest.mark.parametrize("layout", [["--parallelism.tp=2"], ["--parallelism.pp=2", "--parallelism.tp=2"],
+                                    ["--parallelism.dp_replicate=2"]])
 def test_state_bytes_equal_a_real_run_tp_pp(tmp_path, layout):
     _check_state(tmp_path, 4, layout + ["--training.mixed_precision_param=bfloat16"])
 
@@ -147,10 +147,16 @@ def test_torchtitan_published_memory_within_20_percent(name):
     assert plan.world_size == world and plan.degrees["dp_shard"] * plan.degrees["tp"] * plan.degrees["pp"] == world
 
 
+def test_gpu_memory_sets_the_warning():
+    over = ["activation_checkpoint.mode=selective_op"]  # ~100 GiB per GPU
+    assert not make_plan(str(RECIPES / "llama3_8b.toml"), 8, "h100", over).fits
+    assert make_plan(str(RECIPES / "llama3_8b.toml"), 8, "h200", over).fits
+
+
 def test_405b_without_ac_warns_it_does_not_fit():
-    plan = make_plan(str(RECIPES / "llama3_405b.toml"), 512, "h100", ["activation_checkpoint.mode=none",
-                                                                       "parallelism.pp=4", "parallelism.pp_microbatches=4",
-                                                                       "training.global_batch_size=512"])
+    over = ["activation_checkpoint.mode=none", "parallelism.pp=4", "parallelism.pp_microbatches=4",
+            "training.global_batch_size=512"]
+    plan = make_plan(str(RECIPES / "llama3_405b.toml"), 512, "h100", over)
     assert not plan.fits and "exceeds" in plan.warnings[0]
     assert len(plan.stages) == 4 and plan.stages[0].has_embedding and plan.stages[-1].has_output
 

@@ -29,9 +29,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import torch
 from torch import nn
@@ -161,7 +160,7 @@ def microbatches_in_flight(schedule: str, pp: int, pp_rank: int, n_mb: int, per_
     return min(n_mb * per_rank, 2 * (pp - pp_rank - 1) + (per_rank - 1) * pp + 1)
 
 
-# ---- the plan ---------------------------------------------------------------------------------------------------------
+# ---- the plan ------------------------------------------------------------------------------------------------------
 
 
 @dataclass
@@ -210,7 +209,8 @@ def _fake_world(world_size: int) -> None:
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     if dist.is_initialized():
-        dist.destroy_process_group()
+        # A real job's process group must never be torn down by a planner call.
+        raise RuntimeError("trainlib.plan needs a process without a process group (it starts a fake one)")
     dist.init_process_group("fake", rank=0, world_size=world_size, store=FakeStore())
 
 
@@ -319,8 +319,8 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
         if dims.pp_enabled:
             act_b = elem * mb_tokens * args.dim / (tp if sp else 1)
             pp_buf = sum(n_mb * act_b * ((sid != 0) + (sid != n_stages - 1)) for sid in sids)
-            # this block's bf16 gradient before FSDP adds it to the fp32 accumulation
-            gathered += elem * block_params / tp
+            if fsdp:  # this block's bf16 gradient before FSDP adds it to the fp32 accumulation
+                gathered += elem * block_params / tp
         mem = {"params": st["params"], "grads": st["grads"], "optimizer": st["optimizer"],
                "fsdp_unsharded": gathered, "activations": act, "recompute": recompute, "logits_loss": loss,
                "pp_buffers": pp_buf}
@@ -416,10 +416,7 @@ def _build_parallel(cfg, dims, args, param_dtype, counts, per_rank):
     stages (stage split as pp.pipeline_llama does). Returns (parameter count,
     [(stage ids, block indices, has embedding, has output, state_bytes)] per
     pipeline rank). AC does not change parameters, so it is not applied here."""
-    from trainlib.float8 import convert_float8
-    from trainlib.models.llama3 import Transformer, count_params, parallelize_llama
-    from trainlib.models.llama3.parallelize import uses_fsdp
-    from trainlib.parallel import pp as pp_lib
+    import torch.distributed as dist
 
     t, par = cfg.training, cfg.parallelism
     key = (args, dims.world_size, tuple(dims.degrees().items()), par.pp_schedule, per_rank, tuple(counts),
@@ -428,7 +425,24 @@ def _build_parallel(cfg, dims, args, param_dtype, counts, per_rank):
     if key in _BUILT:
         return _BUILT[key]
     _fake_world(dims.world_size)
-    dims.build_mesh("cpu")
+    try:
+        dims.build_mesh("cpu")
+        n_params, out = _parallel_states(cfg, dims, args, param_dtype, counts, per_rank)
+    finally:
+        dist.destroy_process_group()
+    if len(_BUILT) > 64:
+        _BUILT.clear()
+    _BUILT[key] = (n_params, out)
+    return n_params, out
+
+
+def _parallel_states(cfg, dims, args, param_dtype, counts, per_rank):
+    from trainlib.float8 import convert_float8
+    from trainlib.models.llama3 import Transformer, count_params, parallelize_llama
+    from trainlib.models.llama3.parallelize import uses_fsdp
+    from trainlib.parallel import pp as pp_lib
+
+    t, par = cfg.training, cfg.parallelism
     with torch.device("meta"):
         model = Transformer(args, rope_len=t.seq_len)
     n_params = count_params(model)
@@ -447,9 +461,6 @@ def _build_parallel(cfg, dims, args, param_dtype, counts, per_rank):
             layers += list(range(starts[sid], starts[sid] + counts[sid]))
         out.append((sids, layers, any(p.tok_embeddings is not None for p in parts),
                     any(p.output is not None for p in parts), state_bytes(parts)))
-    if len(_BUILT) > 64:
-        _BUILT.clear()
-    _BUILT[key] = (n_params, out)
     return n_params, out
 
 
@@ -570,8 +581,6 @@ def _jsonable(p: Plan) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from trainlib.config import ConfigError
-
     ap = argparse.ArgumentParser(prog="python -m trainlib.plan", description=__doc__.splitlines()[0])
     ap.add_argument("--recipe", default=None)
     ap.add_argument("--world-size", type=int, required=True)
