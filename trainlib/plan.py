@@ -607,6 +607,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{r['ac']:<13}{r['peak_gib']:>9.1f}{r['step_s']:>9.3f}{r['mfu']:>7.1%}")
                 if not rows:
                     print("  none fits: lower the local batch or sequence length, or add GPUs")
+                if any(r["cp"] > 1 for r in rows):
+                    print("  (cp > 1: context parallelism is modelled, not built, by the planner)")
             return 0
         p = make_plan(a.recipe, a.world_size, a.gpu, a.set)
     except ValueError as e:  # ConfigError included: the job's own one-line message
