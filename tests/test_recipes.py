@@ -10,7 +10,8 @@ from trainlib.parallel import ParallelDims
 
 RECIPE_FILES = sorted(p.name for p in RECIPES.glob("*.toml"))
 # Cluster each recipe is written for (world size); the base is not a runnable job on its own.
-WORLD = {"debug.toml": 2, "llama3_8b.toml": 8, "llama3_70b.toml": 256, "llama3_405b.toml": 512}
+WORLD = {"debug.toml": 2, "llama3_1b.toml": 1, "llama3_3b.toml": 1, "llama3_8b.toml": 8, "llama3_70b.toml": 256,
+         "llama3_405b.toml": 512}
 
 
 @pytest.mark.parametrize("name", RECIPE_FILES)
