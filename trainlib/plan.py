@@ -248,12 +248,11 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
     tokens = [o if o.startswith("--") else f"--{o}" for o in (overrides or [])]
     cfg = load_job_config(recipe, tokens)
     t, par, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
-    dims = ParallelDims(world_size=world_size, **{k: getattr(par, k) for k in ("dp_replicate", "dp_shard", "cp", "tp",
-                                                                              "pp")})
+    dims = ParallelDims.from_config(par, world_size)
     args = get_model_args(cfg.model.flavor, n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size)
     validate_job(cfg, dims, args, _tokenizer_vocab(cfg, args))
     local_bs, grad_accum = resolve_local_batch_size(cfg, dims)
-    param_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[t.mixed_precision_param]
+    param_dtype = t.param_dtype
     elem = _DTYPE_BYTES[t.mixed_precision_param]
     reduce_elem = _DTYPE_BYTES[t.mixed_precision_reduce]
 
@@ -442,7 +441,7 @@ def _parallel_states(cfg, dims, args, param_dtype, counts, per_rank):
         model = Transformer(args, rope_len=t.seq_len)
     n_params = count_params(model)
     convert_float8(model, cfg.float8, fsdp=uses_fsdp(dims, param_dtype))
-    reduce_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[t.mixed_precision_reduce]
+    reduce_dtype = t.reduce_dtype
     n_stages = dims.pp * per_rank
     starts = [sum(counts[:i]) for i in range(n_stages)]
     out = []

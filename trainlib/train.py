@@ -39,9 +39,6 @@ from trainlib.parallel.cp import shard_batch
 
 logger = logging.getLogger("trainlib")
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
 @dataclass
 class Job:
     """Everything the loop needs, built by `setup` from a JobConfig."""
@@ -67,8 +64,7 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     """Validate and build. Every user-input error surfaces here, before any
     step runs, as a ValueError whose message says what to change."""
     t = cfg.training
-    dims = ParallelDims(world_size=info.world_size, **{
-        k: getattr(cfg.parallelism, k) for k in ("dp_replicate", "dp_shard", "cp", "tp", "pp")})
+    dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
     tokenizer = build_tokenizer(cfg.tokenizer)
     model_args = get_model_args(cfg.model.flavor, n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size)
     validate_job(cfg, dims, model_args, tokenizer.vocab_size)
@@ -85,11 +81,11 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     n_params = count_params(model)
     # Converters swap modules before parallelize_llama, so TP/AC/compile/FSDP wrap the swapped ones.
     check_float8_hardware(cfg.float8, info.device)
-    convert_float8(model, cfg.float8, fsdp=uses_fsdp(dims, _DTYPES[t.mixed_precision_param]))
+    convert_float8(model, cfg.float8, fsdp=uses_fsdp(dims, t.param_dtype))
 
     def parallelize(m: nn.Module) -> nn.Module:
-        return parallelize_llama(m, dims, cfg.parallelism, param_dtype=_DTYPES[t.mixed_precision_param],
-                                 reduce_dtype=_DTYPES[t.mixed_precision_reduce],
+        return parallelize_llama(m, dims, cfg.parallelism, param_dtype=t.param_dtype,
+                                 reduce_dtype=t.reduce_dtype,
                                  ac=cfg.activation_checkpoint, compile=cfg.compile)
 
     loss_fn = maybe_compile_loss(cross_entropy_sum, cfg.compile)

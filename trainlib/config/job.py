@@ -55,6 +55,20 @@ class TrainingConfig:
         if self.local_batch_size is not None and self.local_batch_size < 1:
             raise ValueError(f"training.local_batch_size must be >= 1, got {self.local_batch_size}")
 
+    @property
+    def param_dtype(self):
+        """torch dtype of `mixed_precision_param` (compute and all-gather precision)."""
+        import torch
+
+        return getattr(torch, self.mixed_precision_param)
+
+    @property
+    def reduce_dtype(self):
+        """torch dtype of `mixed_precision_reduce` (gradient reduction precision)."""
+        import torch
+
+        return getattr(torch, self.mixed_precision_reduce)
+
 
 @dataclass
 class JobConfig:

@@ -63,6 +63,11 @@ class ParallelDims:
                 f"of processes, or set parallelism.dp_shard = -1 to use the remaining ranks"
             )
 
+    @classmethod
+    def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
+        """The degrees of a [parallelism] recipe section (ParallelismConfig)."""
+        return cls(world_size=world_size, **{axis: getattr(parallelism, axis) for axis in AXES})
+
     # ---- degrees -------------------------------------------------------------
     @property
     def dp(self) -> int:
