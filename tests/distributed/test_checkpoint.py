@@ -1,0 +1,64 @@
+"""Checkpoints: exact resume, crash during save, reshard on load, async saves.
+
+Interruptions are real: the test hook TRAINLIB_FAULT_AT_STEP / _MID_SAVE
+SIGKILLs rank 0 (see trainlib.checkpoint.manager._fault_hook), then the same
+command is launched again and must continue from the last complete checkpoint.
+"""
+
+
+
+
+
+
+import pytest
+import torch
+
+from trainlib.checkpoint import complete_steps
+
+
+def _async_snapshot_worker(rank, world, folder, mode):
+    import torch.distributed as dist
+
+    from trainlib.checkpoint.manager import CheckpointConfig, Checkpointer
+    from trainlib.optim import (
+        LRSchedulerConfig,
+        OptimizerConfig,
+        build_lr_scheduler,
+        build_optimizer,
+    )
+
+    class _Loader:
+        def state_dict(self):
+            return {"pos": 7}
+
+        def load_state_dict(self, sd):
+            assert sd["pos"] == 7
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64)
+    opt = build_optimizer([model], OptimizerConfig())
+    sched = build_lr_scheduler(opt, LRSchedulerConfig(), 10)
+    ck = Checkpointer(CheckpointConfig(enable=True, async_mode=mode), folder, [model], opt, sched, _Loader())
+    model(torch.randn(4, 64)).sum().backward()
+    opt.step()
+    before = model.weight.detach().clone()
+    ck.save(1)
+    with torch.no_grad():  # the loop goes on while the background write runs
+        model.weight.add_(1.0)
+    ck.close()
+    dist.barrier()
+    with torch.no_grad():
+        model.weight.zero_()
+    ck2 = Checkpointer(CheckpointConfig(enable=True), folder, [model], opt, sched, _Loader())
+    assert ck2.load() == 1
+    assert torch.equal(model.weight, before), "async save must write the state as of save(), not later"
+
+
+@pytest.mark.parametrize("mode", ["async"])
+def test_async_save_snapshots_state_at_save_time(tmp_path, mode):
+    from tests.helpers import spawn
+
+    spawn(_async_snapshot_worker, 2, str(tmp_path), mode)
+    assert complete_steps(tmp_path / "checkpoint") == [1]
+
+

@@ -1,0 +1,33 @@
+import pytest
+
+from tests.helpers import spawn
+from trainlib.parallel import ParallelDims
+
+
+def _check_mesh(rank, world):
+    dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=1, pp=1, world_size=world)
+    dims.build_mesh("cpu")
+    # layout (dp_shard, cp): ranks 0,1 share dp index 0 and differ in cp
+    assert dims.mesh("cp").size() == 2 and dims.mesh("dp").size() == 2
+    assert dims.mesh("dp_shard_cp").size() == 4 and dims.mesh("dp_cp").size() == 4
+    assert dims.fsdp_mesh().ndim == 1
+    assert dims.dp_coords() == (rank // 2, 2)
+    assert dims.mesh("cp").get_local_rank() == rank % 2
+    with pytest.raises(KeyError, match="available"):
+        dims.mesh("ep")
+    with pytest.raises(RuntimeError, match="already"):
+        dims.build_mesh("cpu")
+
+
+    # A second ParallelDims in the same job (e.g. an eval layout) is independent.
+    hsdp = ParallelDims(dp_replicate=2, dp_shard=2, world_size=world)
+    hsdp.build_mesh("cpu")
+    mesh = hsdp.fsdp_mesh()
+    assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard_cp") and tuple(mesh.shape) == (2, 2)
+    assert hsdp.dp_coords() == (rank, 4)
+
+
+def test_mesh_views_on_4_ranks():
+    spawn(_check_mesh, 4)
+
+

@@ -1,0 +1,118 @@
+"""Hugging Face interop: logits match transformers after import and after export."""
+
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.helpers import REPO, run_cli
+
+transformers = pytest.importorskip("transformers")
+
+from trainlib.checkpoint.hf import args_from_hf_config  # noqa: E402
+from trainlib.convert import dcp_to_hf, hf_to_dcp, read_dcp_model  # noqa: E402
+from trainlib.models.llama3 import Transformer  # noqa: E402
+
+# The trainlib `debug` flavor's shape, so a training run can start from it.
+DEBUG_SHAPE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, vocab_size=512, rope_theta=10000.0, max_position_embeddings=4096,
+                   rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+# Llama 3.1 rope scaling and tied embeddings (as Llama 3.2 1B/3B).
+SCALED_TIED = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=8,
+                   num_key_value_heads=2, vocab_size=300, rope_theta=500000.0, max_position_embeddings=2048,
+                   rms_norm_eps=1e-5, tie_word_embeddings=True,
+                   rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
+                                 "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+
+def _hf_model(shape, seed=0):
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(**shape, attention_bias=False, mlp_bias=False)
+    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    with torch.no_grad():  # HF inits norms to 1; random gains catch a swapped norm
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    return model
+
+
+def _trainlib_logits(args, sd, tokens):
+    model = Transformer(args, rope_len=tokens.shape[1])
+    model.init_buffers()
+    missing, unexpected = model.load_state_dict(sd, strict=False)
+    assert not missing and not unexpected, (missing, unexpected)
+    with torch.no_grad():
+        return model.eval()(tokens)
+
+
+def _convert_cli(*args):
+    proc = subprocess.run([sys.executable, "-m", "trainlib.convert", *map(str, args)], capture_output=True,
+                          text=True, cwd=REPO, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("shape,shard", [(SCALED_TIED, None), (DEBUG_SHAPE, "40KB")], ids=["scaled_tied", "sharded"])
+def test_import_export_roundtrip_logits(tmp_path, shape, shard):
+    hf = _hf_model(shape)
+    hf_dir, dcp_dir, out_dir = tmp_path / "hf", tmp_path / "dcp", tmp_path / "export"
+    hf.save_pretrained(hf_dir, **({"max_shard_size": shard} if shard else {}))
+    if shard:
+        assert (hf_dir / "model.safetensors.index.json").exists()
+    tokens = torch.randint(0, shape["vocab_size"], (2, 48), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+
+    if shard:  # the CLI contract, once; functions otherwise
+        _convert_cli("hf-to-dcp", hf_dir, dcp_dir)
+    else:
+        hf_to_dcp(hf_dir, dcp_dir)
+    saved, sd = read_dcp_model(dcp_dir)
+    args = args_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
+    assert (_trainlib_logits(args, sd, tokens) - ref).abs().max() <= 1e-5
+
+    if shard:
+        _convert_cli("dcp-to-hf", dcp_dir, out_dir)
+    else:
+        dcp_to_hf(dcp_dir, out_dir)
+    back = transformers.LlamaForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    with torch.no_grad():
+        assert (back(tokens).logits - ref).abs().max() <= 1e-5
+
+
+def test_train_from_hf_and_export_hf_under_fsdp2(tmp_path):
+    """Recipe keys: start from an HF folder, train sharded (FSDP2), export HF at
+    the end from the sharded checkpoint; the first loss is the HF model's loss."""
+    from trainlib.data import (
+        DataConfig,
+        TokenizerConfig,
+        build_dataloader,
+        build_tokenizer,
+    )
+
+    hf = _hf_model(DEBUG_SHAPE, seed=3)
+    hf.save_pretrained(tmp_path / "hf")
+    run = tmp_path / "run"
+    proc = run_cli(["--recipe", str(REPO / "recipes/debug.toml"), "--training.steps=2", "--metrics.log_freq=1",
+                    "--training.seq_len=64", "--training.global_batch_size=8", f"--job.dump_folder={run}",
+                    "--checkpoint.enable=true", f"--checkpoint.initial_load_path={tmp_path / 'hf'}",
+                    "--checkpoint.export_hf=true", "--parallelism.dp_shard=2"], nproc=2)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+
+    batch = next(build_dataloader(DataConfig(), build_tokenizer(TokenizerConfig(kind="byte")), 64, 8))
+    with torch.no_grad():
+        logits = hf(batch["input"]).logits
+    hf_loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten()).item()
+    first = json.loads((run / "metrics.jsonl").read_text().splitlines()[0])["loss"]
+    assert abs(first - hf_loss) <= 1e-5 * hf_loss
+
+    # The export equals the final (sharded) checkpoint, read back in one process.
+    exported = transformers.LlamaForCausalLM.from_pretrained(run / "hf", dtype=torch.float32).eval()
+    saved, sd = read_dcp_model(run / "checkpoint" / "step-2")
+    args = args_from_hf_config(json.loads((run / "hf" / "config.json").read_text()))
+    with torch.no_grad():
+        diff = (exported(batch["input"]).logits - _trainlib_logits(args, sd, batch["input"])).abs().max()
+    assert diff <= 1e-5
+
+

@@ -1,0 +1,61 @@
+"""Shared test helpers: paths, the real CLI, and gloo ranks in fresh processes.
+
+Imported as `from tests.helpers import ...` everywhere (pytest puts the repo
+root on sys.path, see pyproject.toml), so plain `pytest` and `python -m pytest`
+collect the same way.
+"""
+
+import os
+import subprocess
+import sys
+import tempfile
+import traceback
+from pathlib import Path
+
+import torch.multiprocessing as mp
+
+REPO = Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+
+
+def run_cli(args, nproc=1, timeout=600, cwd=None):
+    """Run the real CLI (torchrun for nproc > 1). Returns CompletedProcess."""
+    if nproc == 1:
+        cmd = [sys.executable, "-m", "trainlib.train", *args]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
+               "-m", "trainlib.train", *args]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO, env=env)
+
+
+def _entry(rank, fn, world, store_path, err_dir, args):
+    import torch.distributed as dist
+
+    os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    try:
+        dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
+        fn(rank, world, *args)
+    except BaseException:
+        with open(os.path.join(err_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn, world, *args, timeout=300):
+    """Run fn(rank, world, *args) on `world` gloo ranks (spawned processes,
+    file-store rendezvous: no ports). fn must be a module-level function.
+    Raises with the first failing rank's traceback."""
+    with tempfile.TemporaryDirectory() as tmp:
+        ctx = mp.start_processes(_entry, args=(fn, world, os.path.join(tmp, "store"), tmp, args),
+                                 nprocs=world, join=False, start_method="spawn")
+        try:
+            while not ctx.join(timeout=timeout):
+                pass
+        except Exception as e:
+            errs = sorted(f for f in os.listdir(tmp) if f.endswith(".err"))
+            detail = open(os.path.join(tmp, errs[0])).read() if errs else ""
+            raise AssertionError(f"{e}\n{detail}") from None

@@ -1,0 +1,64 @@
+import math
+
+import pytest
+import torch
+
+from trainlib.optim import (
+    LRSchedulerConfig,
+    OptimizerConfig,
+    build_lr_scheduler,
+    build_optimizer,
+    lr_factor,
+)
+
+
+def factors(cfg, steps):
+    return [lr_factor(s, steps, cfg) for s in range(steps)]
+
+
+def test_warmup_then_cosine_reaches_min():
+    f = factors(LRSchedulerConfig(warmup_steps=4, decay_type="cosine", min_lr_ratio=0.1), 20)
+    assert f[:4] == [0.25, 0.5, 0.75, 1.0]
+    assert all(a >= b for a, b in zip(f[4:], f[5:]))
+    assert math.isclose(lr_factor(20, 20, LRSchedulerConfig(warmup_steps=4, min_lr_ratio=0.1)), 0.1)
+
+
+def test_linear_decay_is_linear():
+    f = factors(LRSchedulerConfig(warmup_steps=0, decay_type="linear", min_lr_ratio=0.0), 10)
+    diffs = {round(a - b, 9) for a, b in zip(f, f[1:])}
+    assert diffs == {0.1}
+
+
+def test_wsd_holds_then_decays():
+    cfg = LRSchedulerConfig(warmup_steps=2, decay_type="wsd", min_lr_ratio=0.0, decay_ratio=0.25)
+    f = factors(cfg, 10)  # 8 post-warmup steps, last 2 decay
+    assert f[:2] == [0.5, 1.0] and f[2:8] == [1.0] * 6
+    assert f[8] == 0.5 and f[9] == 0.0
+
+
+def test_scheduler_drives_optimizer_lr():
+    p = torch.nn.Parameter(torch.zeros(2, 2))
+    opt = build_optimizer([torch.nn.Linear(2, 2)], OptimizerConfig(lr=1.0))
+    sched = build_lr_scheduler(opt, LRSchedulerConfig(warmup_steps=2, decay_type="constant"), 5)
+    seen = []
+    for _ in range(3):
+        seen.append(opt.param_groups[0]["lr"])
+        opt.step()
+        sched.step()
+    assert seen == [0.5, 1.0, 1.0]
+    del p
+
+
+def test_weight_decay_only_on_matrices():
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4))
+    opt = build_optimizer([model], OptimizerConfig(weight_decay=0.1))
+    by_wd = {g["weight_decay"]: sum(p.numel() for p in g["params"]) for g in opt.param_groups}
+    assert by_wd == {0.1: 16, 0.0: 4 + 4 + 4}
+
+
+@pytest.mark.parametrize("kw,match", [({"lr": 0}, "optimizer.lr"), ({"beta2": 1.0}, "beta2")])
+def test_optimizer_config_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        OptimizerConfig(**kw)
+
+

@@ -1,0 +1,105 @@
+"""Tensor and pipeline parallelism: stage split, config rules, init, and loss-curve parity."""
+
+import pytest
+import torch
+
+from tests.helpers import RECIPES
+from trainlib.config import ConfigError, load_job_config
+from trainlib.config.validate import validate_job
+from trainlib.models.llama3 import Transformer, get_model_args
+from trainlib.models.llama3.parallelize import _reshard_after_forward
+from trainlib.parallel import ParallelDims
+from trainlib.parallel import pp as pp_lib
+
+DEBUG = str(RECIPES / "debug.toml")
+
+# ---- stage split -----------------------------------------------------------------
+def test_even_split_gives_the_remainder_to_middle_stages():
+    assert pp_lib.layers_per_stage(4, 2) == [2, 2]
+    assert pp_lib.layers_per_stage(10, 4) == [2, 3, 3, 2]
+    assert pp_lib.layers_per_stage(126, 16) == [7] + [8] * 14 + [7]
+    assert pp_lib.layers_per_stage(5, 4) == [1, 2, 1, 1]
+    assert pp_lib.layers_per_stage(6, 3, [1, 3, 2]) == [1, 3, 2]
+
+
+def test_stage_placement_loop_and_v():
+    assert [pp_lib.stage_ids(r, 2, 2, "Interleaved1F1B") for r in range(2)] == [[0, 2], [1, 3]]
+    assert [pp_lib.stage_ids(r, 4, 2, "ZBVZeroBubble") for r in range(4)] == [[0, 7], [1, 6], [2, 5], [3, 4]]
+    assert pp_lib.stage_ids(1, 4, 1, "1F1B") == [1]
+
+
+def test_split_stage_keeps_global_names():
+    with torch.device("meta"):
+        model = Transformer(get_model_args("debug"))
+    first = pp_lib.split_stage(model, 0, 2, is_first=True, is_last=False)
+    last = pp_lib.split_stage(model, 2, 2, is_first=False, is_last=True)
+    assert list(first.layers) == ["0", "1"] and first.norm is None and first.output is None
+    assert list(last.layers) == ["2", "3"] and last.tok_embeddings is None
+    names = {n for p in (first, last) for n, _ in p.named_parameters()}
+    assert names == {n for n, _ in model.named_parameters()}
+
+
+# ---- config rules ------------------------------------------------------------------
+def _validate(world, *overrides):
+    cfg = load_job_config(DEBUG, list(overrides))
+    par = cfg.parallelism
+    dims = ParallelDims(world_size=world, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, cp=par.cp,
+                        tp=par.tp, pp=par.pp)
+    validate_job(cfg, dims, get_model_args("debug"), 256)
+    return cfg, dims
+
+
+def test_unknown_schedule_lists_the_valid_ones():
+    with pytest.raises(ConfigError, match="ZBVZeroBubble"):
+        load_job_config(DEBUG, ["--parallelism.pp_schedule=ZeroBubbleV"])
+
+
+@pytest.mark.parametrize("overrides, match", [
+    (["--parallelism.tp=4"], r"n_kv_heads \(2\) must be divisible by parallelism.tp \(4\).*GQA"),
+    (["--parallelism.tp=2", "--training.seq_len=255"], "seq_len .255. must be divisible"),
+    (["--parallelism.tp=2", "--parallelism.tp_async=true", "--job.device=cpu"], "tp_async.*not supported on CPU"),
+    (["--parallelism.pp=2", "--parallelism.pp_schedule=1F1B", "--parallelism.pp_stages_per_rank=2"],
+     "runs one stage per rank"),
+    (["--parallelism.pp=2", "--parallelism.pp_schedule=DualPipeV", "--parallelism.pp_stages_per_rank=3"],
+     "exactly 2 stages per rank"),
+    (["--parallelism.pp=2", "--parallelism.pp_layers_per_stage=[1, 2]"], r"summing to the 4 layers"),
+    (["--parallelism.pp=4", "--parallelism.pp_schedule=Interleaved1F1B"], "8 pipeline stages .* only 4 layers"),
+    (["--parallelism.pp=2", "--parallelism.pp_microbatches=3"], "split into parallelism.pp_microbatches"),
+])
+def test_tp_pp_rules(overrides, match):
+    world = 1
+    for o in overrides:
+        if o.startswith(("--parallelism.tp=", "--parallelism.pp=")):
+            world *= int(o.split("=")[1])
+    with pytest.raises(ConfigError, match=match):
+        _validate(world, "--parallelism.dp_shard=1", *overrides)
+
+
+@pytest.mark.parametrize("schedule", pp_lib.ZERO_BUBBLE_SCHEDULES)
+def test_zero_bubble_refuses_reshard_after_forward(schedule):
+    """The trap: zero-bubble schedules + FSDP reshard_after_forward=True train
+    silently wrong on torch 2.13. 'always' is refused; 'default' picks False."""
+    with pytest.raises(ConfigError, match="trains silently wrong"):
+        _validate(4, "--parallelism.pp=2", "--parallelism.dp_shard=2", f"--parallelism.pp_schedule={schedule}",
+                  "--parallelism.fsdp_reshard_after_forward=always")
+    cfg, dims = _validate(4, "--parallelism.pp=2", "--parallelism.dp_shard=2",
+                          f"--parallelism.pp_schedule={schedule}")
+    assert _reshard_after_forward(cfg.parallelism, dims) is False
+    # Non-zero-bubble schedules may reshard: they are exact either way.
+    _validate(4, "--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.fsdp_reshard_after_forward=always")
+
+
+@pytest.mark.parametrize("recipe, world, degrees", [
+    ("llama3_8b", 8, {"dp_shard": 8, "tp": 1, "pp": 1}),
+    ("llama3_70b", 64, {"dp_shard": 8, "tp": 8, "pp": 1}),
+    ("llama3_405b", 512, {"dp_shard": 8, "tp": 8, "pp": 8}),
+])
+def test_llama3_recipes_pass_the_tp_pp_rules(recipe, world, degrees):
+    cfg = load_job_config(str(RECIPES / f"{recipe}.toml"))
+    par = cfg.parallelism
+    dims = ParallelDims(world_size=world, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, cp=par.cp,
+                        tp=par.tp, pp=par.pp)
+    validate_job(cfg, dims, get_model_args(cfg.model.flavor), 128256)
+    assert {k: dims.degrees()[k] for k in degrees} == degrees
+
+
