@@ -200,35 +200,24 @@ def train(cfg: JobConfig) -> list[dict]:
         destroy_distributed()
 
 
-USAGE = """usage: [torchrun --nproc-per-node=N] python -m trainlib.train [--recipe FILE.toml] [--section.key=value ...]
-
-Trains a Llama 3 model as the recipe says. Any recipe key can be overridden as
+DESCRIPTION = """Trains a Llama 3 model as the recipe says. Any recipe key can be overridden as
 --section.key=value or --section.key value. Without --recipe the built-in
-defaults run (the debug model on the shipped corpus). Keys:
-"""
+defaults run (the debug model on the shipped corpus)."""
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if "-h" in argv or "--help" in argv:
-        from trainlib.config.loader import describe
+    from trainlib.config.cli import RecipeArgumentParser
+    from trainlib.config.loader import describe
 
-        print(USAGE + describe(JobConfig))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = RecipeArgumentParser("[torchrun --nproc-per-node=N] python -m trainlib.train", DESCRIPTION,
+                                  epilog="recipe keys (section.key = default  # type; help):\n" + describe(JobConfig))
+    if "-h" in argv or "--help" in argv:
+        print(parser.format_help())
         return 0
-    recipe = None
-    rest = []
-    it = iter(argv)
-    for tok in it:
-        if tok == "--recipe":
-            recipe = next(it, None)
-            if recipe is None or recipe.startswith("--"):
-                return _user_error("--recipe needs a file path, e.g. --recipe recipes/debug.toml")
-        elif tok.startswith("--recipe="):
-            recipe = tok.split("=", 1)[1]
-        else:
-            rest.append(tok)
     try:
-        cfg = load_job_config(recipe, rest)
+        ns, overrides = parser.parse_recipe_args(argv)
+        cfg = load_job_config(ns.recipe, overrides)
     except ConfigError as e:
         return _user_error(str(e))
     try:

@@ -32,3 +32,34 @@ def test_help_lists_keys(capsys):
         assert key in out
 
 
+
+
+def test_one_parser_for_every_tool_set_alias_and_tool_flags():
+    from trainlib.config.cli import RecipeArgumentParser
+
+    p = RecipeArgumentParser("tool")
+    p.add_argument("--world-size", type=int)
+    p.add_argument("--layouts", nargs="+")
+    ns, overrides = p.parse_recipe_args([
+        "--recipe", "r.toml", "--training.steps", "7", "--world-size", "8", "--set", "optimizer.lr=0.1",
+        "--layouts", "tp=2", "dp_shard=2", "--model.flavor=debug", "--set=--training.seed=3"])
+    assert (ns.recipe, ns.world_size, ns.layouts) == ("r.toml", 8, ["tp=2", "dp_shard=2"])
+    # --set is an alias: both forms come back normalised, in command-line order per form.
+    assert overrides == ["--optimizer.lr=0.1", "--training.seed=3", "--training.steps=7", "--model.flavor=debug"]
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--world-size", "x"], "argument --world-size: invalid int value: 'x'"),
+    (["--set", "training.steps"], "expected SECTION.KEY=VALUE"),
+    (["stray"], "bad override 'stray'"),
+    (["--training.steps"], "override --training.steps has no value"),
+])
+def test_parser_errors_are_one_line_config_errors(argv, expected):
+    from trainlib.config import ConfigError
+    from trainlib.config.cli import RecipeArgumentParser
+
+    p = RecipeArgumentParser("tool")
+    p.add_argument("--world-size", type=int)
+    with pytest.raises(ConfigError, match=expected) as e:
+        p.parse_recipe_args(argv)
+    assert "\n" not in str(e.value)
