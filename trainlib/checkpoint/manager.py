@@ -68,7 +68,7 @@ class CheckpointConfig:
     fresh_start: bool = field(default=False, metadata={"help": "delete this run's checkpoints and start at step 0"})
     initial_load_path: str | None = field(
         default=None,
-        metadata={"help": "when the run has no checkpoint yet: start from this DCP checkpoint or HF folder"})
+        metadata={"help": "when the run has no checkpoint yet: start from this DCP, HF or Meta checkpoint folder"})
     initial_load_model_only: bool = field(
         default=True, metadata={"help": "from initial_load_path load weights only (fine-tuning), not optimizer/step/data"})
     export_hf: bool = field(default=False, metadata={"help": "at the end, also write HF safetensors + config.json to <dump_folder>/hf"})
