@@ -121,8 +121,6 @@ def latest_step(root: str | os.PathLike) -> int | None:
 # --------------------------------------------------------------------------- checkpointer
 
 
-
-
 def check_model_matches(path: Path, model_sd: dict[str, Any]) -> None:
     """One clear line instead of DCP's error when the checkpoint's model is not
     this run's (another flavor, n_layers or vocab_size)."""
