@@ -26,7 +26,7 @@ LAYERS = [
     ("core: single-process parts, each usable alone",
      ["trainlib.config.loader", "trainlib.config.cli", "trainlib.loss", "trainlib.distributed", "trainlib.metrics",
       "trainlib.optim", "trainlib.float8", "trainlib.data", "trainlib.data.*", "trainlib.models",
-      "trainlib.models.params", "trainlib.models.*.model", "trainlib.models.*.state_dict_adapter"]),
+      "trainlib.params", "trainlib.models.*.model", "trainlib.models.*.state_dict_adapter"]),
     ("parallel: the mesh, one module per axis, per-model parallelization",
      ["trainlib.parallel", "trainlib.parallel.*", "trainlib.models.*"]),
     ("checkpoint: DCP save/load of Stateful parts, HF/Meta interop",

@@ -22,7 +22,7 @@ import torch
 from torch import nn
 
 from trainlib.models.llama3.model import ModelArgs
-from trainlib.models.params import canonical_name, copy_full_
+from trainlib.params import canonical_name, copy_full_
 
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-from trainlib.models.params import canonical_name
+from trainlib.params import canonical_name
 
 
 class ModelState:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainlib.models.params import canonical_name, init_param_
+from trainlib.params import canonical_name, init_param_
 
 
 @torch.no_grad()

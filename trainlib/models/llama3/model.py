@@ -250,7 +250,7 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """Single-device initialisation, identical to what
         `trainlib.parallel.init.init_model_weights` gives for any layout."""
-        from trainlib.models.params import init_param_
+        from trainlib.params import init_param_
 
         self.init_buffers(device=self.rope.device if self.rope.device.type != "meta" else None)
         for name, p in self.named_parameters():
