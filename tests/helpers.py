@@ -16,16 +16,27 @@ import torch.multiprocessing as mp
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
+FAULTS = REPO / "tests" / "faults"
 
 
-def run_cli(args, nproc=1, timeout=600, cwd=None):
-    """Run the real CLI (torchrun for nproc > 1). Returns CompletedProcess."""
+def fault_env(marker_dir, *faults: str) -> dict:
+    """Environment that makes a subprocess run inject `faults` (specs
+    "POINT:STEP[:RANK[:SIGNAL]]", see tests/faults/sitecustomize.py), each once
+    over all launches sharing `marker_dir`."""
+    Path(marker_dir).mkdir(parents=True, exist_ok=True)
+    return {"TRAINLIB_FAULTS": ",".join(faults), "TRAINLIB_FAULT_DIR": str(marker_dir),
+            "PYTHONPATH": f"{FAULTS}{os.pathsep}{REPO}"}
+
+
+def run_cli(args, nproc=1, timeout=600, cwd=None, env=None):
+    """Run the real CLI (torchrun for nproc > 1), with `env` added to the
+    environment. Returns CompletedProcess."""
     if nproc == 1:
         cmd = [sys.executable, "-m", "trainlib.train", *args]
     else:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
                "-m", "trainlib.train", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO, env=env)
 
 

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainlib.checkpoint import Checkpointer
+from trainlib.checkpoint import Checkpointer, ModelState, OptimizerState, TrainState
 from trainlib.config import ConfigError, JobConfig, load_job_config, save_config
 from trainlib.config.validate import resolve_local_batch_size, validate_job
 from trainlib.data import PackedDataLoader, build_dataloader, build_tokenizer
@@ -101,8 +101,10 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     dp_rank, dp_world = dims.dp_coords()
     loader = build_dataloader(cfg.data, tokenizer, t.seq_len, local_bs, dp_rank, dp_world, t.seed)
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir, model_parts, optimizer, scheduler, loader,
-                                tokens_per_step=t.global_batch_size * t.seq_len, model_args=model_args)
+    checkpointer = Checkpointer(cfg.checkpoint, run_dir, {
+        "model": ModelState(model_parts), "optimizer": OptimizerState(model_parts, optimizer),
+        "scheduler": scheduler, "dataloader": loader,
+        "trainer": TrainState(tokens_per_step=t.global_batch_size * t.seq_len, model_args=model_args)})
     start_step = checkpointer.load()
     metrics = MetricsLogger(cfg.metrics, run_dir, rank=info.rank, device=info.device, append=start_step > 0,
                             flops_per_token=flops_per_token(model_args, t.seq_len), world_size=info.world_size,

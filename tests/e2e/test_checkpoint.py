@@ -1,8 +1,9 @@
 """Checkpoints: exact resume, crash during save, reshard on load, async saves.
 
-Interruptions are real: the test hook TRAINLIB_FAULT_AT_STEP / _MID_SAVE
-SIGKILLs rank 0 (see trainlib.checkpoint.manager._fault_hook), then the same
-command is launched again and must continue from the last complete checkpoint.
+Interruptions are real: tests/faults/sitecustomize.py, loaded into the run's
+processes from outside (`tests.helpers.fault_env`), SIGKILLs a rank at a chosen
+point of a chosen step; then the same command is launched again (or torchrun
+restarts the workers) and must continue from the last complete checkpoint.
 """
 
 import json
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, run_cli
+from tests.helpers import REPO, fault_env, run_cli
 from trainlib.checkpoint import complete_steps, incomplete_folders
 
 STEPS = 8
@@ -21,6 +22,7 @@ STEPS = 8
 BASE = ["--recipe", str(REPO / "recipes/debug.toml"), f"--training.steps={STEPS}", "--metrics.log_freq=1",
         "--metrics.console=false", "--training.seq_len=64", "--training.global_batch_size=8",
         "--checkpoint.enable=true", "--checkpoint.interval=2"]
+
 
 def _layout_args(layout: dict) -> tuple[int, list[str]]:
     degrees = {"dp_replicate": 1, "dp_shard": 1, "cp": 1, "tp": 1, "pp": 1, **layout}
@@ -30,18 +32,16 @@ def _layout_args(layout: dict) -> tuple[int, list[str]]:
     return nproc, [f"--parallelism.{k}={v}" for k, v in degrees.items()]
 
 
-
-
-def _run(folder: Path, layout: dict, extra=(), env=None, expect_ok=True):
+def _run(folder: Path, layout: dict, extra=(), fault: str | None = None):
+    """One launch; with `fault` ("POINT:STEP[:RANK]") it must die from that fault."""
     nproc, lay = _layout_args(layout)
-    old = dict(os.environ)
-    os.environ.update(env or {})
-    try:
-        proc = run_cli([*BASE, f"--job.dump_folder={folder}", *lay, *extra], nproc=nproc, timeout=600)
-    finally:
-        os.environ.clear()
-        os.environ.update(old)
-    if expect_ok:
+    env = fault_env(folder.parent / "faults", fault) if fault else None
+    proc = run_cli([*BASE, f"--job.dump_folder={folder}", *lay, *extra], nproc=nproc, timeout=600, env=env)
+    if fault:
+        point, step, rank = (fault.split(":") + ["0"])[:3]
+        assert proc.returncode != 0, (proc.stdout + proc.stderr)[-4000:]
+        assert f"[fault injection] SIGKILL rank {rank} at {point} of step {step}" in proc.stderr
+    else:
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
     return proc
 
@@ -84,8 +84,7 @@ def test_crash_then_resume_is_bitwise_exact_fsdp2(tmp_path, straight):
     """Killed (SIGKILL) right after step 4's checkpoint, then the same command again."""
     layout = {"dp_shard": 2}
     folder = tmp_path / "run"
-    proc = _run(folder, layout, env={"TRAINLIB_FAULT_AT_STEP": "4"}, expect_ok=False)
-    assert proc.returncode != 0
+    _run(folder, layout, fault="after_step:4")
     assert complete_steps(folder / "checkpoint") == [2, 4]
     proc = _run(folder, layout)
     assert "resumed from" in proc.stdout
@@ -93,12 +92,14 @@ def test_crash_then_resume_is_bitwise_exact_fsdp2(tmp_path, straight):
     assert _losses(folder) == straight(layout)  # bitwise: same layout, CPU fp32
 
 
-def test_crash_mid_save_resumes_from_previous_checkpoint(tmp_path, straight):
-    """Killed after step 6's shards are written but before the checkpoint is
-    committed: step-6 must not count, the run resumes from step 4."""
+@pytest.mark.parametrize("point", ["before_commit", pytest.param("mid_write", marks=pytest.mark.slow)])
+def test_crash_mid_save_resumes_from_previous_checkpoint(tmp_path, straight, point):
+    """Killed during step 6's save, after its shards and metadata are written
+    but before the commit (or before its shards are written): step-6 must not
+    count, the run resumes from step 4."""
     layout = {}
     folder = tmp_path / "run"
-    _run(folder, layout, env={"TRAINLIB_FAULT_MID_SAVE": "6"}, expect_ok=False)
+    _run(folder, layout, fault=f"{point}:6")
     ck = folder / "checkpoint"
     assert complete_steps(ck) == [2, 4]
     assert [p.name for p in incomplete_folders(ck)] == ["step-6.tmp"]
@@ -120,7 +121,7 @@ def test_reshard_on_load_continues_the_curve(tmp_path, straight, save_layout, lo
     """Save under one layout, continue under another (another DP degree too:
     the data stream continues at the same global sample)."""
     folder = tmp_path / "run"
-    _run(folder, save_layout, env={"TRAINLIB_FAULT_AT_STEP": "4"}, expect_ok=False)
+    _run(folder, save_layout, fault="after_step:4")
     assert complete_steps(folder / "checkpoint")[-1] == 4
     _run(folder, load_layout)
     ref = straight({})
@@ -139,10 +140,10 @@ def test_training_steps_raised_and_load_step(tmp_path):
     assert "step 4" in proc.stdout and _steps(folder) == list(range(1, 7))
     assert complete_steps(folder / "checkpoint") == [4, 6]
     # A named step that does not exist: one clear line, before training.
-    proc = _run(folder, {}, extra=["--checkpoint.load_step=3"], expect_ok=False)
+    proc = run_cli([*BASE, f"--job.dump_folder={folder}", "--checkpoint.load_step=3"])
     assert proc.returncode == 2 and "checkpoint.load_step=3" in proc.stderr and "[4, 6]" in proc.stderr
     # Another model shape: one clear line, not DCP's traceback.
-    proc = _run(folder, {}, extra=["--training.steps=8", "--model.vocab_size=600"], expect_ok=False)
+    proc = run_cli([*BASE, f"--job.dump_folder={folder}", "--model.vocab_size=600"])
     assert proc.returncode == 2 and "model.flavor / n_layers / vocab_size" in proc.stderr
     # fresh_start wipes and starts over.
     proc = _run(folder, {}, extra=["--training.steps=2", "--checkpoint.fresh_start=true"])
@@ -150,32 +151,29 @@ def test_training_steps_raised_and_load_step(tmp_path):
 
 
 @pytest.mark.slow
-def test_async_thread_saves_resume_exactly(tmp_path, straight):
-    """Async (thread) saves during a 2-rank run; then resume from them."""
-    layout = {"dp_shard": 2}
+@pytest.mark.parametrize("mode,layout", [("async", {"dp_shard": 2}), ("async_with_pinned_mem", {})],
+                         ids=["thread", "process"])
+def test_async_saves_resume_exactly(tmp_path, straight, mode, layout):
+    """Killed while step 6's async save is in flight (after step 4's was
+    committed): resume from step 4's async-written checkpoint, in the same
+    async mode, gives the uninterrupted curve bitwise."""
     folder = tmp_path / "run"
-    _run(folder, layout, extra=["--checkpoint.async_mode=async"], env={"TRAINLIB_FAULT_AT_STEP": "5"},
-         expect_ok=False)
-    # step 4's save may still have been in flight at the kill: then 2 is the latest
-    assert complete_steps(folder / "checkpoint")[-1] in (2, 4)
-    _run(folder, layout, extra=["--checkpoint.async_mode=async"])
+    extra = [f"--checkpoint.async_mode={mode}"]
+    _run(folder, layout, extra, fault="async_in_flight:6")
+    assert complete_steps(folder / "checkpoint") == [2, 4]  # save(6) committed 4 before it started
+    assert "step-6.tmp" in [p.name for p in incomplete_folders(folder / "checkpoint")]
+    proc = _run(folder, layout, extra)
+    assert "step 4" in proc.stdout and "loop blocked" in proc.stdout
+    assert complete_steps(folder / "checkpoint") == [2, 4, 6, 8]
     assert _curve(folder) == straight(layout)
 
 
-@pytest.mark.slow
-def test_async_process_mode_with_pinned_mem_option(tmp_path, straight):
-    folder = tmp_path / "run"
-    _run(folder, {}, extra=["--checkpoint.async_mode=async_with_pinned_mem"])
-    assert complete_steps(folder / "checkpoint") == [2, 4, 6, 8]
-    assert _losses(folder) == straight({})
-
-
-def _torchrun(folder: Path, launcher: list[str], env: dict, nproc_layout: dict, timeout=600):
+def _torchrun(folder: Path, launcher: list[str], fault: str, nproc_layout: dict, timeout=600):
     _, lay = _layout_args(nproc_layout)
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "trainlib.train", *BASE,
            f"--job.dump_folder={folder}", *lay]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), **env))
+                            env=dict(os.environ, OMP_NUM_THREADS="1", **fault_env(folder.parent / "faults", fault)))
 
 
 def _finish(procs, timeout=600):
@@ -193,17 +191,18 @@ def _finish(procs, timeout=600):
     return outs
 
 
-@pytest.mark.parametrize("fault", [
-    {"TRAINLIB_FAULT_AT_STEP": "4"},
-    pytest.param({"TRAINLIB_FAULT_MID_SAVE": "6", "TRAINLIB_FAULT_RANK": "0"}, marks=pytest.mark.slow),
-], ids=["kill_after_step", "kill_mid_save"])
+@pytest.mark.parametrize("fault", ["after_step:4:0", pytest.param("before_commit:6:0", marks=pytest.mark.slow),
+                                   pytest.param("after_update:5:1", marks=pytest.mark.slow)],
+                         ids=["kill_after_step", "kill_mid_save", "kill_rank1_mid_step"])
 def test_elastic_restart_resumes_on_the_same_curve(tmp_path, straight, fault):
-    """torchrun --max-restarts=1: rank 0 is SIGKILLed in the first incarnation;
-    the agent restarts both workers, which resume from the latest complete checkpoint."""
+    """torchrun --max-restarts=1: a rank is SIGKILLed once; the agent restarts
+    both workers, which resume from the latest complete checkpoint."""
     layout = {"dp_shard": 2}
     folder = tmp_path / "run"
     launcher = ["--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.5"]
     ((_, out),) = _finish([_torchrun(folder, launcher, fault, layout)])
+    point, step, rank = fault.split(":")
+    assert f"[fault injection] SIGKILL rank {rank} at {point} of step {step}" in out
     assert "resumed from" in out
     assert _curve(folder) == straight(layout)
 
@@ -225,9 +224,8 @@ def test_two_agents_c10d_rendezvous_with_restart(tmp_path, straight):
     port = _free_port()
     launcher = ["--nnodes=2", "--nproc-per-node=1", "--rdzv-backend=c10d", f"--rdzv-endpoint=127.0.0.1:{port}",
                 f"--rdzv-id=trainlib-{port}", "--max-restarts=1", "--monitor-interval=0.5"]
-    procs = [_torchrun(folder, launcher, {"TRAINLIB_FAULT_AT_STEP": "4"}, layout) for _ in range(2)]
+    procs = [_torchrun(folder, launcher, "after_step:4:0", layout) for _ in range(2)]
     outs = _finish(procs)
+    assert sum("[fault injection] SIGKILL rank 0" in out for _, out in outs) == 1
     assert any("resumed from" in out for _, out in outs)
     assert _curve(folder) == straight(layout)
-
-

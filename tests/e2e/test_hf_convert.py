@@ -12,7 +12,7 @@ from tests.helpers import REPO, run_cli
 transformers = pytest.importorskip("transformers")
 
 from trainlib.checkpoint.hf import args_from_hf_config  # noqa: E402
-from trainlib.convert import dcp_to_hf, hf_to_dcp, read_dcp_model  # noqa: E402
+from trainlib.checkpoint.convert import dcp_to_hf, hf_to_dcp, read_dcp_model  # noqa: E402
 from trainlib.models.llama3 import Transformer  # noqa: E402
 
 # The trainlib `debug` flavor's shape, so a training run can start from it.
@@ -68,7 +68,7 @@ def test_import_export_roundtrip_logits(tmp_path, shape, shard):
         _convert_cli("hf-to-dcp", hf_dir, dcp_dir)
     else:
         hf_to_dcp(hf_dir, dcp_dir)
-    saved, sd = read_dcp_model(dcp_dir)
+    sd = read_dcp_model(dcp_dir)
     args = args_from_hf_config(json.loads((hf_dir / "config.json").read_text()))
     assert (_trainlib_logits(args, sd, tokens) - ref).abs().max() <= 1e-5
 
@@ -109,7 +109,7 @@ def test_train_from_hf_and_export_hf_under_fsdp2(tmp_path):
 
     # The export equals the final (sharded) checkpoint, read back in one process.
     exported = transformers.LlamaForCausalLM.from_pretrained(run / "hf", dtype=torch.float32).eval()
-    saved, sd = read_dcp_model(run / "checkpoint" / "step-2")
+    sd = read_dcp_model(run / "checkpoint" / "step-2")
     args = args_from_hf_config(json.loads((run / "hf" / "config.json").read_text()))
     with torch.no_grad():
         diff = (exported(batch["input"]).logits - _trainlib_logits(args, sd, batch["input"])).abs().max()

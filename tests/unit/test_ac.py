@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from trainlib.loss import cross_entropy_sum
-from trainlib.models.init_utils import canonical_name
+from trainlib.params import canonical_name
 from trainlib.models.llama3 import Transformer, get_model_args
 from trainlib.parallel.ac import apply_ac
 from trainlib.parallel.compile import apply_compile

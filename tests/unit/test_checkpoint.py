@@ -1,16 +1,9 @@
-"""Checkpoints: exact resume, crash during save, reshard on load, async saves.
-
-Interruptions are real: the test hook TRAINLIB_FAULT_AT_STEP / _MID_SAVE
-SIGKILLs rank 0 (see trainlib.checkpoint.manager._fault_hook), then the same
-command is launched again and must continue from the last complete checkpoint.
-"""
-
-
-
-
-
+"""Checkpointer parts in one process: what each Stateful part restores, and clear errors."""
 
 import pytest
+import torch
+
+from trainlib.checkpoint import CheckpointConfig, Checkpointer, ModelState, OptimizerState, TrainState
 
 
 def test_dataloader_state_under_incompatible_dp_is_a_clear_error():
@@ -25,3 +18,52 @@ def test_dataloader_state_under_incompatible_dp_is_a_clear_error():
         b.load_state_dict(a.state_dict())
 
 
+def _job(folder, **cfg):
+    from trainlib.models.llama3 import Transformer, get_model_args
+    from trainlib.optim import LRSchedulerConfig, OptimizerConfig, build_lr_scheduler, build_optimizer
+
+    args = get_model_args("debug", n_layers=2)
+    model = Transformer(args, rope_len=8)
+    model.init_weights(seed=0)
+    opt = build_optimizer([model], OptimizerConfig())
+    sched = build_lr_scheduler(opt, LRSchedulerConfig(warmup_steps=2), 10)
+    states = {"model": ModelState([model]), "optimizer": OptimizerState([model], opt), "scheduler": sched,
+              "trainer": TrainState(tokens_per_step=100, model_args=args)}
+    return model, opt, sched, Checkpointer(CheckpointConfig(enable=True, **cfg), folder, states)
+
+
+def _train_step(model, opt, sched):
+    model(torch.randint(0, 512, (2, 8))).sum().backward()
+    opt.step()
+    sched.step()
+    opt.zero_grad()
+
+
+def test_each_registered_part_is_restored(tmp_path):
+    model, opt, sched, ck = _job(tmp_path)
+    for step in (1, 2, 3):
+        _train_step(model, opt, sched)
+        ck.maybe_save(step, last_step=3)  # saves at the last step
+    saved = {k: v.clone() for k, v in model.state_dict().items()}
+    exp_avg = {k: s["exp_avg"].clone() for k, s in enumerate(opt.state.values())}
+    rng = torch.get_rng_state()
+    draw = torch.rand(3)
+
+    model2, opt2, sched2, ck2 = _job(tmp_path)
+    torch.manual_seed(123)
+    assert ck2.load() == 3
+    assert ck2.train_state.tokens_seen == 300
+    assert all(torch.equal(saved[k], v) for k, v in model2.state_dict().items())
+    assert all(torch.equal(exp_avg[k], s["exp_avg"]) for k, s in enumerate(opt2.state.values()))
+    assert sched2.last_epoch == 3 and sched2.get_last_lr() == sched.get_last_lr()
+    assert torch.equal(torch.get_rng_state(), rng) and torch.equal(torch.rand(3), draw)
+
+
+def test_model_only_initial_load_leaves_the_rest(tmp_path):
+    model, opt, sched, ck = _job(tmp_path / "a")
+    _train_step(model, opt, sched)
+    ck.maybe_save(1, last_step=1)
+    model2, opt2, sched2, ck2 = _job(tmp_path / "b", initial_load_path=str(tmp_path / "a" / "checkpoint" / "step-1"))
+    assert ck2.load() == 0  # model only: the run starts at step 0 with a fresh optimizer
+    assert torch.equal(model2.output.weight, model.output.weight)
+    assert not opt2.state and sched2.last_epoch == 0

@@ -1,4 +1,4 @@
-"""Hugging Face interop: logits match transformers after import and after export."""
+"""Hugging Face and Meta interop in one process: CLI errors and shape fallbacks, Meta-format import."""
 
 import json
 
@@ -17,24 +17,79 @@ def test_convert_cli_errors_are_one_line(tmp_path, capsys):
     assert "not a Hugging Face checkpoint folder" in capsys.readouterr().err
 
 
+def test_dcp_to_hf_takes_the_shape_from_the_run_config_when_the_checkpoint_lacks_it(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+
+    from trainlib.config import JobConfig, save_config
+    from trainlib.convert import main
+    from trainlib.models.llama3 import get_model_args
+
+    model = Transformer(get_model_args("debug", n_layers=2), rope_len=8)
+    model.init_weights(seed=0)
+    ckpt = tmp_path / "run" / "checkpoint" / "step-1"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)  # no trainer.model_args
+    assert main(["dcp-to-hf", str(ckpt), str(tmp_path / "out")]) == 2
+    assert "does not record the model shape" in capsys.readouterr().err
+    cfg = JobConfig()
+    cfg.model.n_layers = 2
+    save_config(cfg, tmp_path / "run" / "config.toml")
+    assert main(["dcp-to-hf", str(ckpt), str(tmp_path / "out")]) == 0
+    assert json.loads((tmp_path / "out" / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def _meta_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """HF's rotate-half q/k rows back into Meta's layout, where rotary pairs are
+    adjacent rows. HF's convert_llama_weights_to_hf.py permutes Meta's rows
+    with view(n_heads, head_dim // 2, 2, dim).transpose(1, 2); its inverse,
+    written out by index: within each head, Meta row 2i + j is HF row
+    j * head_dim / 2 + i."""
+    hd = w.shape[0] // n_heads
+    return w[[h * hd + (m % 2) * (hd // 2) + m // 2 for h in range(n_heads) for m in range(hd)]]
+
+
 def test_meta_consolidated_pth_loads_into_a_model(tmp_path):
-    """Meta's reference format uses trainlib's own names and rotary layout."""
+    """A Meta reference-format folder built independently from an HF model
+    (Meta's names, q/k in Meta's rotary layout, a Llama-2-style rope.freqs
+    buffer, Meta's params.json) gives the HF model's logits."""
+    transformers = pytest.importorskip("transformers")
     from trainlib.checkpoint.hf import load_meta_into_model
     from trainlib.models.llama3 import get_model_args
 
-    args = get_model_args("debug")
-    src = Transformer(args, rope_len=32)
-    src.init_weights(seed=5)
-    sd = {k: v for k, v in src.state_dict().items()}
-    torch.save(sd, tmp_path / "consolidated.00.pth")
-    (tmp_path / "params.json").write_text(json.dumps({"dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2}))
+    args = get_model_args("debug")  # dim 64, 4 layers, 4 heads, 2 kv heads, rope_theta 1e4, no rope scaling
+    torch.manual_seed(0)
+    hf = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=512, rope_theta=10000.0, max_position_embeddings=4096, rms_norm_eps=1e-5,
+        tie_word_embeddings=False, attention_bias=False, mlp_bias=False)).float().eval()
+    with torch.no_grad():  # HF inits norms to 1; random gains catch a swapped norm
+        for name, p in hf.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    hf_sd = hf.state_dict()
+    meta = {"tok_embeddings.weight": hf_sd["model.embed_tokens.weight"], "norm.weight": hf_sd["model.norm.weight"],
+            "output.weight": hf_sd["lm_head.weight"], "rope.freqs": torch.ones(8)}
+    for i in range(4):
+        h = f"model.layers.{i}."
+        meta |= {
+            f"layers.{i}.attention.wq.weight": _meta_rotary_rows(hf_sd[h + "self_attn.q_proj.weight"], 4),
+            f"layers.{i}.attention.wk.weight": _meta_rotary_rows(hf_sd[h + "self_attn.k_proj.weight"], 2),
+            f"layers.{i}.attention.wv.weight": hf_sd[h + "self_attn.v_proj.weight"],
+            f"layers.{i}.attention.wo.weight": hf_sd[h + "self_attn.o_proj.weight"],
+            f"layers.{i}.feed_forward.w1.weight": hf_sd[h + "mlp.gate_proj.weight"],
+            f"layers.{i}.feed_forward.w2.weight": hf_sd[h + "mlp.down_proj.weight"],
+            f"layers.{i}.feed_forward.w3.weight": hf_sd[h + "mlp.up_proj.weight"],
+            f"layers.{i}.attention_norm.weight": hf_sd[h + "input_layernorm.weight"],
+            f"layers.{i}.ffn_norm.weight": hf_sd[h + "post_attention_layernorm.weight"],
+        }
+    assert not torch.equal(meta["layers.0.attention.wq.weight"], hf_sd["model.layers.0.self_attn.q_proj.weight"])
+    torch.save(meta, tmp_path / "consolidated.00.pth")
+    (tmp_path / "params.json").write_text(json.dumps({"dim": 64, "n_layers": 4, "n_heads": 4, "n_kv_heads": 2,
+                                                      "vocab_size": 512, "norm_eps": 1e-5, "rope_theta": 10000.0}))
     dst = Transformer(args, rope_len=32)
     dst.init_weights(seed=6)
     load_meta_into_model([dst], tmp_path, args)
-    tokens = torch.randint(0, args.vocab_size, (1, 32))
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
-        assert torch.equal(dst(tokens), src(tokens))
+        assert (dst.eval()(tokens) - hf(tokens).logits).abs().max() <= 1e-5
     with pytest.raises(ValueError, match="n_layers=2"):
         load_meta_into_model([dst], tmp_path, get_model_args("debug", n_layers=2))
-
-

@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-from trainlib.models.init_utils import canonical_name
+from trainlib.params import canonical_name
 from trainlib.models.llama3 import (
     FLAVORS,
     Transformer,

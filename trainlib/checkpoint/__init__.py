@@ -1,4 +1,5 @@
-"""Checkpoints: DCP save/resume/reshard (`manager`), HF safetensors interop (`hf`, `convert`)."""
+"""Checkpoints: DCP save/resume/reshard (`manager`) of registered `Stateful` parts (`state`),
+HF / Meta safetensors interop (`hf`, `convert`)."""
 
 from trainlib.checkpoint.manager import (
     CheckpointConfig,
@@ -8,5 +9,7 @@ from trainlib.checkpoint.manager import (
     latest_step,
     step_folder,
 )
+from trainlib.checkpoint.state import ModelState, OptimizerState, TrainState
 
-__all__ = ["CheckpointConfig", "Checkpointer", "complete_steps", "incomplete_folders", "latest_step", "step_folder"]
+__all__ = ["CheckpointConfig", "Checkpointer", "ModelState", "OptimizerState", "TrainState", "complete_steps",
+           "incomplete_folders", "latest_step", "step_folder"]

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, fields
+from dataclasses import fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
 
 from trainlib.models.llama3.model import ModelArgs
+from trainlib.params import canonical_name, copy_full_
 
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -109,16 +110,26 @@ def hf_config_from_args(args: ModelArgs, dtype: str = "float32") -> dict:
     }
 
 
-def args_to_dict(args: ModelArgs) -> dict:
-    return asdict(args)
-
-
 def args_from_dict(d: dict) -> ModelArgs:
     names = {f.name for f in fields(ModelArgs)}
     return ModelArgs(**{k: v for k, v in d.items() if k in names})
 
 
 # --------------------------------------------------------------------------- weights
+
+
+def checkpoint_format(path: str | os.PathLike) -> Literal["hf", "meta", "dcp"]:
+    """What `checkpoint.initial_load_path` points at: a Hugging Face folder
+    (config.json + *.safetensors), a Meta reference folder (consolidated.*.pth)
+    or a DCP checkpoint folder (.metadata)."""
+    if is_hf_folder(path):
+        return "hf"
+    if is_meta_folder(path):
+        return "meta"
+    if (Path(path) / ".metadata").is_file():
+        return "dcp"
+    raise ValueError(f"checkpoint.initial_load_path={str(path)!r} is neither a DCP checkpoint folder (.metadata), "
+                     "a Hugging Face folder (config.json + *.safetensors) nor a Meta folder (consolidated.00.pth)")
 
 
 def is_hf_folder(path: str | os.PathLike) -> bool:
@@ -195,21 +206,12 @@ def check_shapes(sd: dict[str, torch.Tensor], args: ModelArgs, expected: ModelAr
             "set model.flavor / model.n_layers / model.vocab_size to match")
 
 
-@torch.no_grad()
 def load_full_state_into_model(model_parts: list[nn.Module], sd: dict[str, torch.Tensor]) -> None:
-    """Copy full (unsharded) tensors into possibly sharded parameters: each rank
-    keeps its own shard, no communication (as `trainlib.parallel.init`)."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
-
-    from trainlib.models.init_utils import canonical_name
-
+    """Copy full (unsharded) tensors, keyed by canonical name, into possibly
+    sharded parameters: each rank keeps its own shard, no communication."""
     for part in model_parts:
         for name, p in part.named_parameters():
-            full = sd[canonical_name(name)].to(device=p.device, dtype=p.dtype)
-            if isinstance(p, DTensor):
-                p.to_local().copy_(distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None).to_local())
-            else:
-                p.copy_(full)
+            copy_full_(p, sd[canonical_name(name)])
 
 
 def load_hf_into_model(model_parts: list[nn.Module], path: str | os.PathLike, expected: Any = None) -> None:

@@ -12,7 +12,8 @@ A checkpoint counts only once it is complete: every rank writes into
 one folder is atomic, so a crash at any moment leaves either the old set of
 complete checkpoints or the old set plus the new one.
 
-What is saved, under these top-level keys:
+What is saved: the `Stateful` parts registered with the `Checkpointer`, each
+under its key (see `trainlib.checkpoint.state`). `trainlib.train` registers
   model       model parameters, keyed by canonical names (`layers.3.attention.wq.weight`),
               sharded as they live (FSDP/TP DTensors); DCP reshards them on load
   optimizer   per-parameter state keyed `<param name>.<state key>` plus the param
@@ -20,8 +21,8 @@ What is saved, under these top-level keys:
   scheduler   LR scheduler state
   dataloader  the global stream position (identical on every rank, stored once),
               so a different DP degree can resume without skipping or repeating samples
-  rng         torch's CPU (and CUDA) generator state of one rank
-  trainer     step, tokens seen, and the model shape (used by `trainlib.convert`)
+  trainer     step, tokens seen, torch's CPU (and CUDA) generator state of one rank,
+              and the model shape (used by `trainlib.convert`)
 """
 
 from __future__ import annotations
@@ -30,24 +31,22 @@ import logging
 import os
 import re
 import shutil
-import signal
 import time
+from collections.abc import Iterable
 from concurrent.futures import Future
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch import nn
-from torch.distributed.checkpoint.state_dict import (
-    StateDictOptions,
-    get_model_state_dict,
-    set_model_state_dict,
-)
+from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+from torch.distributed.checkpoint.stateful import Stateful
 
-from trainlib.models.init_utils import canonical_name
+from trainlib.checkpoint.convert import dcp_to_hf
+from trainlib.checkpoint.hf import checkpoint_format, load_hf_into_model, load_meta_into_model
+from trainlib.checkpoint.state import ModelState, TrainState
 
 logger = logging.getLogger("trainlib")
 
@@ -69,7 +68,7 @@ class CheckpointConfig:
     fresh_start: bool = field(default=False, metadata={"help": "delete this run's checkpoints and start at step 0"})
     initial_load_path: str | None = field(
         default=None,
-        metadata={"help": "when the run has no checkpoint yet: start from this DCP checkpoint or HF folder"})
+        metadata={"help": "when the run has no checkpoint yet: start from this DCP, HF or Meta checkpoint folder"})
     initial_load_model_only: bool = field(
         default=True, metadata={"help": "from initial_load_path load weights only (fine-tuning), not optimizer/step/data"})
     export_hf: bool = field(default=False, metadata={"help": "at the end, also write HF safetensors + config.json to <dump_folder>/hf"})
@@ -119,73 +118,12 @@ def latest_step(root: str | os.PathLike) -> int | None:
     return steps[-1] if steps else None
 
 
-# --------------------------------------------------------------------------- state
-
-
-def _param_names(model_parts: list[nn.Module]) -> dict[int, str]:
-    """id(param) -> canonical name, over every model part (PP stages hold
-    disjoint blocks keyed by global index, so names stay unique)."""
-    names = {}
-    for part in model_parts:
-        for name, p in part.named_parameters(remove_duplicate=False):
-            names.setdefault(id(p), canonical_name(name))
-    return names
-
-
-def model_state_dict(model_parts: list[nn.Module]) -> dict[str, Any]:
-    sd: dict[str, Any] = {}
-    for part in model_parts:
-        sd.update(get_model_state_dict(part))
-    return sd
-
-
-def _ensure_optimizer_state(optimizer: torch.optim.Optimizer) -> None:
-    """Create the optimizer's state tensors (with the parameters' sharding) by
-    one step with zero gradients and lr 0, so DCP can load into them in place."""
-    if optimizer.state:
-        return
-    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
-    for p in params:
-        p.grad = torch.zeros_like(p)
-    lrs = [g["lr"] for g in optimizer.param_groups]
-    for g in optimizer.param_groups:
-        g["lr"] = 0.0
-    optimizer.step()
-    for g, lr in zip(optimizer.param_groups, lrs):
-        g["lr"] = lr
-    optimizer.zero_grad(set_to_none=True)
-
-
-def optimizer_state_dict(model_parts: list[nn.Module], optimizer: torch.optim.Optimizer) -> dict[str, Any]:
-    # torch's get_optimizer_state_dict maps parameters through ONE module; under
-    # PP a single optimizer spans several stage modules, so the (small) mapping
-    # is done here, keyed by the same canonical names as the model.
-    names = _param_names(model_parts)
-    state = {}
-    for p, s in optimizer.state.items():
-        for k, v in s.items():
-            state[f"{names[id(p)]}.{k}"] = v
-    groups = [{k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups]
-    return {"state": state, "param_groups": groups}
-
-
-def load_optimizer_state_dict(optimizer: torch.optim.Optimizer, model_parts: list[nn.Module], sd: dict) -> None:
-    names = _param_names(model_parts)
-    for p, s in optimizer.state.items():
-        for k in s:
-            s[k] = sd["state"][f"{names[id(p)]}.{k}"]
-    if len(sd["param_groups"]) != len(optimizer.param_groups):
-        raise ValueError(f"checkpoint has {len(sd['param_groups'])} optimizer param groups, this optimizer has "
-                         f"{len(optimizer.param_groups)}: resume with the same optimizer settings")
-    for g, saved in zip(optimizer.param_groups, sd["param_groups"]):
-        g.update(saved)
+# --------------------------------------------------------------------------- checkpointer
 
 
 def check_model_matches(path: Path, model_sd: dict[str, Any]) -> None:
     """One clear line instead of DCP's error when the checkpoint's model is not
     this run's (another flavor, n_layers or vocab_size)."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
-
     meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
     for name, t in model_sd.items():
         m = meta.get(f"model.{name}")
@@ -196,35 +134,32 @@ def check_model_matches(path: Path, model_sd: dict[str, Any]) -> None:
                              "load it with the model.flavor / n_layers / vocab_size it was saved with")
 
 
-def _rng_state() -> dict[str, torch.Tensor]:
-    state = {"cpu": torch.get_rng_state()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    return state
-
-
-# --------------------------------------------------------------------------- checkpointer
-
-
 class Checkpointer:
-    """Saves and restores everything a run needs to continue exactly.
+    """Saves and restores a run's registered `Stateful` parts, so that it can
+    continue exactly.
 
-    `load()` at setup (after the optimizer exists), `maybe_save(step)` after each
-    step, `close()` at the end (waits for an async save in flight).
+    `states` maps each top-level checkpoint key to a part (see
+    `trainlib.checkpoint.state`). Two keys are required: `model` (a
+    `ModelState`: initial weights from HF/Meta/DCP go into it) and `trainer`
+    (a `TrainState`: it holds the step that `load()` returns).
+
+    `load()` at setup (after the optimizer exists), `maybe_save(step,
+    last_step)` after each step, `close()` at the end (waits for an async save
+    in flight). A save is `save()`: every rank writes into `step-N.tmp`,
+    then `_commit(N)` renames it to `step-N` (for async saves, once the
+    background write has finished) and applies `keep_latest_k`.
     """
 
-    def __init__(self, cfg: CheckpointConfig, run_dir: str | os.PathLike, model_parts: list[nn.Module],
-                 optimizer: torch.optim.Optimizer, scheduler: Any, loader: Any, *, tokens_per_step: int = 0,
-                 model_args: Any = None):
+    def __init__(self, cfg: CheckpointConfig, run_dir: str | os.PathLike, states: dict[str, Stateful]):
         self.cfg = cfg
         self.root = Path(cfg.folder) if os.path.isabs(cfg.folder) else Path(run_dir) / cfg.folder
-        self.model_parts, self.optimizer, self.scheduler, self.loader = model_parts, optimizer, scheduler, loader
-        self.tokens_per_step = tokens_per_step
-        self.model_args = model_args
+        self.states = states
+        self.model: ModelState = states["model"]
+        self.train_state: TrainState = states["trainer"]
         self.rank = dist.get_rank() if dist.is_initialized() else 0
-        self.tokens_seen = 0
         self.last_blocked_s: float | None = None  # how long the loop waited on the last save
         self._pending: Future | None = None
+        self._pending_step: int | None = None
         self._async_pg = None
         self._stager = None
         if cfg.enable and cfg.async_mode != "disabled" and dist.is_initialized():
@@ -266,85 +201,52 @@ class Checkpointer:
         else:
             return self._initial_load()
         t0 = time.perf_counter()
-        self.load_full(step_folder(self.root, step))
-        logger.info(f"resumed from {step_folder(self.root, step)} (step {step}, {self.tokens_seen:,} tokens seen) "
-                    f"in {time.perf_counter() - t0:.2f} s")
-        return step
+        self.load_from(step_folder(self.root, step))
+        logger.info(f"resumed from {step_folder(self.root, step)} (step {self.train_state.step}, "
+                    f"{self.train_state.tokens_seen:,} tokens seen) in {time.perf_counter() - t0:.2f} s")
+        return self.train_state.step
 
-    def load_full(self, path: Path) -> int:
-        _ensure_optimizer_state(self.optimizer)
-        sd = self._state_dict()
-        check_model_matches(path, sd["model"])
-        dcp.load(sd, checkpoint_id=str(path))
-        for part in self.model_parts:
-            set_model_state_dict(part, sd["model"], options=StateDictOptions(strict=False))
-        load_optimizer_state_dict(self.optimizer, self.model_parts, sd["optimizer"])
-        self.scheduler.load_state_dict(sd["scheduler"])
-        # A ValueError from here names the rule (e.g. a DP degree that cannot
-        # continue the stream exactly) and is raised before any step runs.
-        self.loader.load_state_dict(sd["dataloader"])
-        torch.set_rng_state(sd["rng"]["cpu"])
-        if "cuda" in sd["rng"] and torch.cuda.is_available():
-            torch.cuda.set_rng_state(sd["rng"]["cuda"])
-        self.tokens_seen = int(sd["trainer"]["tokens_seen"])
-        return int(sd["trainer"]["step"])
+    def load_from(self, path: str | os.PathLike, keys: Iterable[str] | None = None) -> None:
+        """Load the registered parts (or only those in `keys`) from the DCP
+        checkpoint folder `path`, in place."""
+        states = {k: self.states[k] for k in (keys or self.states)}
+        if "model" in states:
+            check_model_matches(Path(path), self.model.state_dict())
+        # Parts raise a ValueError naming the rule (e.g. a DP degree that
+        # cannot continue the data stream exactly) before any step runs.
+        dcp.load(states, checkpoint_id=str(path))
 
     def _initial_load(self) -> int:
         path = self.cfg.initial_load_path
         if path is None:
             return 0
-        from trainlib.checkpoint.hf import is_hf_folder, is_meta_folder, load_hf_into_model, load_meta_into_model
-
-        if is_hf_folder(path):
-            load_hf_into_model(self.model_parts, path, self.model_args)
-            logger.info(f"initial weights loaded from Hugging Face folder {path}")
-            return 0
-        if is_meta_folder(path):
-            load_meta_into_model(self.model_parts, path, self.model_args)
-            logger.info(f"initial weights loaded from Meta checkpoint {path}")
-            return 0
-        if not (Path(path) / ".metadata").is_file():
-            raise ValueError(f"checkpoint.initial_load_path={path!r} is neither a DCP checkpoint folder (.metadata), "
-                             "a Hugging Face folder (config.json + *.safetensors) nor a Meta folder "
-                             "(consolidated.00.pth)")
-        if self.cfg.initial_load_model_only:
-            sd = {"model": model_state_dict(self.model_parts)}
-            check_model_matches(Path(path), sd["model"])
-            dcp.load(sd, checkpoint_id=str(path))
-            for part in self.model_parts:
-                set_model_state_dict(part, sd["model"], options=StateDictOptions(strict=False))
-            logger.info(f"initial weights (model only) loaded from {path}")
-            return 0
-        step = self.load_full(Path(path))
-        logger.info(f"initial state loaded from {path} (step {step})")
-        return step
+        fmt = checkpoint_format(path)
+        if fmt == "hf":
+            load_hf_into_model(self.model.model_parts, path, self.train_state.model_args)
+        elif fmt == "meta":
+            load_meta_into_model(self.model.model_parts, path, self.train_state.model_args)
+        else:
+            self.load_from(path, ["model"] if self.cfg.initial_load_model_only else None)
+        what = "weights" if fmt != "dcp" or self.cfg.initial_load_model_only else "training state"
+        logger.info(f"initial {what} loaded from {fmt} checkpoint {path} (step {self.train_state.step})")
+        return self.train_state.step
 
     # ---- save ------------------------------------------------------------------
-    def _state_dict(self, step: int = 0) -> dict[str, Any]:
-        return {
-            "model": model_state_dict(self.model_parts),
-            "optimizer": optimizer_state_dict(self.model_parts, self.optimizer),
-            "scheduler": self.scheduler.state_dict(),
-            "dataloader": self.loader.state_dict(),
-            "rng": _rng_state(),
-            "trainer": {"step": step, "tokens_seen": self.tokens_seen,
-                        "model_args": asdict(self.model_args) if self.model_args is not None else {}},
-        }
-
     def maybe_save(self, step: int, last_step: int) -> None:
-        self.tokens_seen += self.tokens_per_step
+        """Record `step` as done (in the TrainState), and save if it is due."""
+        self.train_state.advance(step)
         if not self.cfg.enable:
             return
         if self._pending is not None and self._pending.done():
             self.wait()  # commit a finished background save now, not at the next save
         if step % self.cfg.interval == 0 or step == last_step:
-            self.save(step)
-        _fault_hook("TRAINLIB_FAULT_AT_STEP", step)
+            self.save()
 
-    def save(self, step: int) -> None:
-        t0 = time.perf_counter()
+    def save(self) -> None:
+        """Save every part as of now, as the checkpoint of the TrainState's step."""
+        t0, step = time.perf_counter(), self.train_state.step
+
         self.wait()  # one save in flight at most; its commit must precede the next
-        sd = self._state_dict(step)
         tmp = self.root / f"step-{step}.tmp"
         if self.rank == 0:
             if tmp.exists():
@@ -353,8 +255,7 @@ class Checkpointer:
         self._barrier()
         mode = self.cfg.async_mode
         if mode == "disabled":
-            dcp.save(sd, checkpoint_id=str(tmp))
-            _fault_hook("TRAINLIB_FAULT_MID_SAVE", step)
+            dcp.save(self.states, checkpoint_id=str(tmp))
             self._commit(step)
         else:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -371,11 +272,9 @@ class Checkpointer:
                     pinned = torch.cuda.is_available()
                     self._stager = DefaultStager(StagingOptions(pinned, pinned, False, False))
                 stager = self._stager
-            fut = dcp.async_save(sd, checkpoint_id=str(tmp), process_group=self._async_pg,
-                                 async_checkpointer_type=kind, async_stager=stager)
-            self._pending = fut
+            self._pending = dcp.async_save(self.states, checkpoint_id=str(tmp), process_group=self._async_pg,
+                                           async_checkpointer_type=kind, async_stager=stager)
             self._pending_step = step
-            _fault_hook("TRAINLIB_FAULT_MID_SAVE", step)
         self.last_blocked_s = time.perf_counter() - t0
         logger.info(f"checkpoint step {step}: loop blocked {self.last_blocked_s:.3f} s ({mode})")
 
@@ -384,7 +283,7 @@ class Checkpointer:
         if self._pending is None:
             return
         fut, step = self._pending, self._pending_step
-        self._pending = None
+        self._pending = self._pending_step = None
         fut.result()  # raises if the background save failed: better than a silent gap
         self._commit(step)
 
@@ -408,8 +307,6 @@ class Checkpointer:
         self.wait()
         self._barrier()
         if self.rank == 0:
-            from trainlib.convert import dcp_to_hf
-
             step = latest_step(self.root)
             if step is None:
                 raise ValueError(f"checkpoint.export_hf: no complete checkpoint in {self.root} to export")
@@ -426,15 +323,3 @@ class Checkpointer:
     def _barrier(self) -> None:
         if dist.is_initialized() and dist.get_world_size() > 1:
             dist.barrier()
-
-
-def _fault_hook(var: str, step: int) -> None:
-    """Test hook for elastic-restart tests: `TRAINLIB_FAULT_AT_STEP=k` (after
-    step k's save) or `TRAINLIB_FAULT_MID_SAVE=k` (after step k's shards are
-    written, before the checkpoint is committed) SIGKILLs rank
-    `TRAINLIB_FAULT_RANK` (default 0) in the first incarnation of a torchrun job
-    only, so the restarted job runs through."""
-    if os.environ.get(var) != str(step) or os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0":
-        return
-    if int(os.environ.get("RANK", 0)) == int(os.environ.get("TRAINLIB_FAULT_RANK", 0)):
-        os.kill(os.getpid(), signal.SIGKILL)

@@ -18,7 +18,7 @@ Modes (per transformer block; the block is the checkpoint region):
 
 Applied after TP/CP and before compile and FSDP (see parallelize_llama). The
 wrapper inserts `_checkpoint_wrapped_module` into parameter names; init and
-checkpoint keys strip it (trainlib.models.init_utils.canonical_name).
+checkpoint keys strip it (trainlib.params.canonical_name).
 """
 
 from __future__ import annotations

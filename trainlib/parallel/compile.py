@@ -5,7 +5,7 @@ one compiled graph is reused by all of them (compile time does not grow with
 depth), and FSDP's per-block hooks stay outside the graphs. Applied after AC
 (the compiled graph then contains the checkpoint region and its recompute
 policy) and before FSDP. The wrapper inserts `_orig_mod` into parameter names;
-init and checkpoint keys strip it (trainlib.models.init_utils.canonical_name).
+init and checkpoint keys strip it (trainlib.params.canonical_name).
 """
 
 from __future__ import annotations

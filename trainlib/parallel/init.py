@@ -4,9 +4,8 @@ from __future__ import annotations
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor, distribute_tensor
 
-from trainlib.models.init_utils import canonical_name, generate_init
+from trainlib.params import canonical_name, init_param_
 
 
 @torch.no_grad()
@@ -23,10 +22,5 @@ def init_model_weights(model: nn.Module, seed: int, device: torch.device | str) 
     model.to_empty(device=device)
     model.init_buffers(device=device)
     for name, p in model.named_parameters():
-        spec = model.param_init_spec(canonical_name(name))
-        if isinstance(p, DTensor):
-            full = generate_init(spec, p.shape, seed, name, p.device, p.dtype)
-            shard = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
-            p.to_local().copy_(shard.to_local())
-        else:
-            p.copy_(generate_init(spec, p.shape, seed, name, p.device, p.dtype))
+        name = canonical_name(name)
+        init_param_(p, model.param_init_spec(name), seed, name)

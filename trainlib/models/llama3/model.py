@@ -250,11 +250,11 @@ class Transformer(nn.Module):
     def init_weights(self, seed: int = 0) -> None:
         """Single-device initialisation, identical to what
         `trainlib.parallel.init.init_model_weights` gives for any layout."""
-        from trainlib.models.init_utils import fill_param
+        from trainlib.params import init_param_
 
         self.init_buffers(device=self.rope.device if self.rope.device.type != "meta" else None)
         for name, p in self.named_parameters():
-            fill_param(p, self.param_init_spec(name), seed, name)
+            init_param_(p, self.param_init_spec(name), seed, name)
 
 
 def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:

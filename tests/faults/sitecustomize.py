@@ -1,0 +1,148 @@
+"""Fault injection for trainlib runs in subprocesses, from outside the library.
+
+Python imports `sitecustomize` at start-up from the first folder on sys.path
+that has one, so a test puts this folder first on the subprocess's PYTHONPATH
+(`tests.helpers.fault_env` builds the environment) and every process of the
+run (`python -m trainlib.train`, each torchrun worker, DCP's async writer
+process) loads it. Without `TRAINLIB_FAULTS` it does nothing. With it, it wraps
+`Checkpointer` methods (and DCP's file writer) as their modules are imported,
+and sends a signal to the chosen rank at the chosen point:
+
+    TRAINLIB_FAULTS="POINT:STEP[:RANK[:SIGNAL]],..."   one or more faults
+    TRAINLIB_FAULT_DIR=folder                           once-only markers (required)
+
+RANK is the global rank (`RANK`, 0 without torchrun) or `*` for every rank
+(default 0); SIGNAL a name such as KILL (default), TERM or USR1. POINT is one of
+
+    after_update     step STEP's optimizer update is done, the checkpointer has
+                     not seen it (entry of `Checkpointer.maybe_save`)
+    after_step       step STEP is done: a save due at STEP is committed (sync)
+                     or in flight (async) (`maybe_save` returned)
+    before_commit    every rank's shards and .metadata of step STEP's checkpoint
+                     are written, `step-STEP.tmp` is not yet renamed (entry of
+                     `Checkpointer._commit`; for async saves this runs when the
+                     background write is collected, at a later step)
+    async_in_flight  an async save of step STEP has been started and is not
+                     committed (`Checkpointer.save` returned under
+                     `checkpoint.async_mode` != disabled)
+    mid_write        inside DCP's `FileSystemWriter.write_data` for
+                     `step-STEP.tmp`, before this rank writes its files: kills
+                     whichever process writes (the trainer for sync and thread
+                     saves, the writer process for `async_with_pinned_mem`)
+
+Each fault fires at most once per rank over all launches that share
+TRAINLIB_FAULT_DIR (a marker file is created before the signal is sent), so a
+relaunch, a `torchrun --max-restarts` restart or a second torchrun agent whose
+restart count stays 0 all run through. Several faults in one variable fire in
+turn across restarts (e.g. kill a rank at step 3, then another at step 6 of
+the restarted run). The firing process prints
+`[fault injection] SIGKILL rank R at POINT of step S` to stderr first.
+"""
+
+import importlib.abc
+import importlib.util
+import os
+import re
+import signal
+import sys
+from pathlib import Path
+
+POINTS = ("after_update", "after_step", "before_commit", "async_in_flight", "mid_write")
+
+
+def _parse(spec: str) -> list[tuple[int, str, int, str, signal.Signals]]:
+    faults = []
+    for i, item in enumerate(x.strip() for x in spec.split(",") if x.strip()):
+        parts = item.split(":")
+        point, step, rank, sig = parts + ["0", "KILL"][len(parts) - 2:] if 2 <= len(parts) <= 4 else [""] * 4
+        if point not in POINTS or not step.isdigit() or not (rank == "*" or rank.isdigit()) or not hasattr(
+                signal, "SIG" + sig.upper()):
+            # SystemExit, not an exception: site.py would print and swallow an
+            # exception, and the run would go on without its fault.
+            raise SystemExit(f"TRAINLIB_FAULTS item {item!r}: expected POINT:STEP[:RANK[:SIGNAL]] with POINT in "
+                             f"{POINTS}, RANK an integer or '*', SIGNAL a name such as KILL or TERM")
+        faults.append((i, point, int(step), rank, getattr(signal, "SIG" + sig.upper())))
+    return faults
+
+
+def _fire(point: str, step: int) -> None:
+    rank = int(os.environ.get("RANK", "0"))
+    for i, p, s, r, sig in FAULTS:
+        if p != point or s != step or r not in ("*", str(rank)):
+            continue
+        marker = Path(os.environ["TRAINLIB_FAULT_DIR"]) / f"fault-{i}-rank{rank}"
+        try:
+            os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        except FileExistsError:
+            continue  # fired in an earlier launch
+        print(f"[fault injection] {sig.name} rank {rank} at {point} of step {step}", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), sig)
+
+
+def _patch_checkpointer(module) -> None:
+    cls = module.Checkpointer
+    maybe_save, save, commit = cls.maybe_save, cls.save, cls._commit
+
+    def maybe_save_(self, step, last_step):
+        _fire("after_update", step)
+        maybe_save(self, step, last_step)
+        _fire("after_step", step)
+
+    def save_(self):
+        save(self)
+        if self.cfg.async_mode != "disabled":
+            _fire("async_in_flight", self.train_state.step)
+
+    def commit_(self, step):
+        _fire("before_commit", step)
+        commit(self, step)
+
+    cls.maybe_save, cls.save, cls._commit = maybe_save_, save_, commit_
+
+
+def _patch_writer(module) -> None:
+    cls = module.FileSystemWriter
+    write_data = cls.write_data
+
+    def write_data_(self, plan, planner):
+        m = re.search(r"step-(\d+)\.tmp$", str(self.path))
+        if m:
+            _fire("mid_write", int(m.group(1)))
+        return write_data(self, plan, planner)
+
+    cls.write_data = write_data_
+
+
+class _PatchOnImport(importlib.abc.MetaPathFinder):
+    """Wraps a module's classes right after the module is first executed, so
+    processes that never import it pay nothing."""
+
+    def __init__(self, patches):
+        self.patches = patches
+
+    def find_spec(self, name, path, target=None):
+        patch = self.patches.pop(name, None)
+        if patch is None:
+            return None
+        spec = importlib.util.find_spec(name)
+        exec_module = spec.loader.exec_module
+
+        def exec_and_patch(module):
+            exec_module(module)
+            patch(module)
+
+        spec.loader.exec_module = exec_and_patch
+        return spec
+
+
+FAULTS = _parse(os.environ.get("TRAINLIB_FAULTS", ""))
+if FAULTS:
+    if "TRAINLIB_FAULT_DIR" not in os.environ:
+        raise SystemExit("TRAINLIB_FAULTS needs TRAINLIB_FAULT_DIR (where once-only markers are kept)")
+    _points = {p for _, p, *_ in FAULTS}
+    _patches = {}
+    if _points - {"mid_write"}:
+        _patches["trainlib.checkpoint.manager"] = _patch_checkpointer
+    if "mid_write" in _points:
+        _patches["torch.distributed.checkpoint.filesystem"] = _patch_writer
+    sys.meta_path.insert(0, _PatchOnImport(_patches))

@@ -1,0 +1,130 @@
+"""The parts of a training run that a checkpoint holds, as `Stateful` objects.
+
+Each part follows torch.distributed.checkpoint's `Stateful` protocol:
+`state_dict()` gives the tensors and values to save (DCP also calls it on load,
+to get tensors to load into in place), `load_state_dict(sd)` takes them back.
+The learning-rate scheduler and `PackedDataLoader` already have both methods;
+the model, the optimizer and the run's own position need the adapters here.
+`Checkpointer` saves each part under its key (`model`, `optimizer`, ...).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+from trainlib.params import canonical_name
+
+
+class ModelState:
+    """All model parts (one model, or this rank's pipeline stages) as one state
+    dict keyed by canonical names (`layers.3.attention.wq.weight`), sharded as
+    they live (FSDP/TP DTensors); DCP reshards them on load."""
+
+    def __init__(self, model_parts: list[nn.Module]):
+        self.model_parts = model_parts
+
+    def state_dict(self) -> dict[str, Any]:
+        sd: dict[str, Any] = {}
+        for part in self.model_parts:
+            sd.update(get_model_state_dict(part))
+        return sd
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        # strict=False: each part takes its own keys (PP stages hold disjoint blocks).
+        for part in self.model_parts:
+            set_model_state_dict(part, sd, options=StateDictOptions(strict=False))
+
+
+class OptimizerState:
+    """One optimizer's per-parameter state keyed `<canonical param name>.<state key>`,
+    plus the param groups' hyper-parameters.
+
+    torch's `get_optimizer_state_dict` maps parameters through ONE module;
+    under PP a single optimizer spans several stage modules, so the (small)
+    mapping is done here, with the model's names."""
+
+    def __init__(self, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer):
+        self.model_parts, self.optimizer = model_parts, optimizer
+
+    def _names(self) -> dict[int, str]:
+        # PP stages hold disjoint blocks keyed by global index, so names stay unique.
+        names = {}
+        for part in self.model_parts:
+            for name, p in part.named_parameters(remove_duplicate=False):
+                names.setdefault(id(p), canonical_name(name))
+        return names
+
+    def state_dict(self) -> dict[str, Any]:
+        self._ensure_state()
+        names = self._names()
+        state = {f"{names[id(p)]}.{k}": v for p, s in self.optimizer.state.items() for k, v in s.items()}
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+        return {"state": state, "param_groups": groups}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        names = self._names()
+        for p, s in self.optimizer.state.items():
+            for k in s:
+                s[k] = sd["state"][f"{names[id(p)]}.{k}"]
+        if len(sd["param_groups"]) != len(self.optimizer.param_groups):
+            raise ValueError(f"checkpoint has {len(sd['param_groups'])} optimizer param groups, this optimizer has "
+                             f"{len(self.optimizer.param_groups)}: resume with the same optimizer settings")
+        for g, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
+            g.update(saved)
+
+    def _ensure_state(self) -> None:
+        """A fresh optimizer has no state tensors for DCP to load into: create
+        them (with the parameters' sharding) by one step with zero gradients
+        and lr 0, as torch's own `get_optimizer_state_dict` does. Saves come
+        after real steps, so only loads take this path."""
+        if self.optimizer.state:
+            return
+        params = [p for g in self.optimizer.param_groups for p in g["params"] if p.requires_grad]
+        for p in params:
+            p.grad = torch.zeros_like(p)
+        lrs = [g["lr"] for g in self.optimizer.param_groups]
+        for g in self.optimizer.param_groups:
+            g["lr"] = 0.0
+        self.optimizer.step()
+        for g, lr in zip(self.optimizer.param_groups, lrs):
+            g["lr"] = lr
+        self.optimizer.zero_grad(set_to_none=True)
+
+
+@dataclass
+class TrainState:
+    """Where the run stands: the last finished step, the tokens trained on, and
+    torch's generator state (CPU, and CUDA when present) of one rank.
+
+    `model_args` (the model's shape dataclass) is saved too, so that
+    `python -m trainlib.convert dcp-to-hf` can rebuild the shape from the
+    checkpoint alone; loading ignores it (the run's own shape is checked
+    against the saved tensors instead). `tokens_per_step` is this run's global
+    batch x sequence length and is not saved: a resumed run may change it."""
+
+    tokens_per_step: int = 0
+    model_args: Any = None
+    step: int = 0
+    tokens_seen: int = 0
+
+    def advance(self, step: int) -> None:
+        self.step = step
+        self.tokens_seen += self.tokens_per_step
+
+    def state_dict(self) -> dict[str, Any]:
+        rng = {"cpu": torch.get_rng_state()}
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state()
+        return {"step": self.step, "tokens_seen": self.tokens_seen, "rng": rng,
+                "model_args": asdict(self.model_args) if self.model_args is not None else {}}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
+        torch.set_rng_state(sd["rng"]["cpu"])
+        if "cuda" in sd["rng"] and torch.cuda.is_available():
+            torch.cuda.set_rng_state(sd["rng"]["cuda"])
