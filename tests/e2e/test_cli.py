@@ -1,8 +1,12 @@
 """The real CLI: torchrun end to end, and user errors as one clean line."""
 
 import json
+import os
+import subprocess
+import sys
 
-from tests.helpers import RECIPES
+from tests.helpers import RECIPES, REPO
+from trainlib.config import load_job_config
 
 CONTRACT = ("step", "loss", "grad_norm", "lr", "tokens_per_second", "step_time_s", "tflops", "mfu", "peak_memory_gib")
 
@@ -26,3 +30,32 @@ def test_user_error_exit_code_and_no_traceback_in_a_real_process(cli):
         "trainlib: error: unknown key 'training.stesp' in --training.stesp; did you mean 'training.steps'?"]
 
 
+
+
+def _parity(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "trainlib.parity", *args], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env=env)
+
+
+def test_parity_cli_overrides_reach_every_run(tmp_path):
+    # Both override forms and the --set alias (several values after one --set, as docs/performance.md writes it).
+    proc = _parity("--recipe", str(RECIPES / "debug.toml"), "--layouts", "dp_shard=2", "--steps", "2",
+                   "--training.seq_len", "64", "--set", "training.global_batch_size=4", "optimizer.lr=1e-3",
+                   "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "PASS: max relative loss deviation" in proc.stdout
+    for run in ("single", "dp_shard2"):
+        cfg = load_job_config(tmp_path / run / "config.toml")  # the config the run resolved and used
+        assert (cfg.training.seq_len, cfg.training.global_batch_size, cfg.optimizer.lr) == (64, 4, 1e-3), run
+        assert len((tmp_path / run / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_parity_cli_passes_a_ranks_rejection_on_as_one_line():
+    # Valid keys, but 3 data-parallel ranks cannot split 4 sequences: only the job itself can tell.
+    proc = _parity("--baseline", "dp_shard=3", "--layouts", "dp_shard=2", "--steps", "1",
+                   "--training.global_batch_size=4")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "trainlib: error: layout 'dp_shard=3': training.global_batch_size (4) must be divisible by the "
+        "data-parallel degree dp_replicate*dp_shard (3); change the batch or the layout"]
