@@ -20,7 +20,9 @@ def test_torchrun_two_ranks_end_to_end(cli, tmp_path):
     for r in records:
         assert set(CONTRACT) <= set(r), set(CONTRACT) - set(r)
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
-    assert (tmp_path / "config.toml").exists()
+    # job.description is printed at startup and kept with the run.
+    assert "[trainlib] job: tiny Llama 3 on the shipped corpus" in proc.stdout
+    assert load_job_config(tmp_path / "config.toml").job.description == "tiny Llama 3 on the shipped corpus"
 
 
 def test_user_error_exit_code_and_no_traceback_in_a_real_process(cli):
