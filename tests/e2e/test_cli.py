@@ -54,10 +54,10 @@ def test_parity_cli_overrides_reach_every_run(tmp_path):
 
 
 def test_parity_cli_passes_a_ranks_rejection_on_as_one_line():
-    # Valid keys, but 3 data-parallel ranks cannot split 4 sequences: only the job itself can tell.
-    proc = _parity("--baseline", "dp_shard=3", "--layouts", "dp_shard=2", "--steps", "1",
-                   "--training.global_batch_size=4")
+    # Valid keys, but 2 data-parallel ranks cannot split 3 sequences: only the job itself can tell.
+    proc = _parity("--baseline", "dp_shard=2", "--layouts", "dp_shard=2", "--steps", "1",
+                   "--training.global_batch_size=3")
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
     assert proc.stderr.strip().splitlines() == [
-        "trainlib: error: layout 'dp_shard=3': training.global_batch_size (4) must be divisible by the "
-        "data-parallel degree dp_replicate*dp_shard (3); change the batch or the layout"]
+        "trainlib: error: layout 'dp_shard=2': training.global_batch_size (3) must be divisible by the "
+        "data-parallel degree dp_replicate*dp_shard (2); change the batch or the layout"]
