@@ -7,6 +7,8 @@ recipe), each with and without activation checkpointing.
     python scripts/benchmark.py --flavor llama3.1_8b --n_layers 4 --steps 100 --seq 4096 --batch 1
     # CPU smoke run (tiny; numbers mean nothing)
     python scripts/benchmark.py --cpu-smoke
+    # --recipe and recipe overrides (train's grammar) apply to every configuration
+    python scripts/benchmark.py --flavor llama3.1_8b --n_layers 4 --seq 4096 --batch 1 --optimizer.implementation=fused
 
 Every configuration is a separate run of the real CLI (`python -m
 trainlib.train`), so compile caches, allocator state and float8 module swaps
@@ -27,6 +29,10 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from trainlib.config import ConfigError, load_job_config
+from trainlib.config.cli import RecipeArgumentParser
+from trainlib.launch import train_command
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -51,13 +57,14 @@ def run_config(name: str, ac: str, a: argparse.Namespace, out_root: Path) -> dic
         f"--model.flavor={a.flavor}", f"--training.steps={a.steps}", f"--training.seq_len={a.seq}",
         f"--training.global_batch_size={a.batch}", f"--metrics.log_freq={a.warmup}", "--metrics.console=false",
         f"--job.dump_folder={folder}", f"--job.device={a.device}", "--parallelism.dp_shard=1",
-        f"--activation_checkpoint.mode={ac}", *BASE, *CONFIGS[name], *a.set,
+        f"--activation_checkpoint.mode={ac}", *BASE, *CONFIGS[name],
     ]
     if a.n_layers:
         args.append(f"--model.n_layers={a.n_layers}")
+    args = (["--recipe", a.recipe] if a.recipe else []) + args + a.overrides
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "trainlib.train", *args], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=a.timeout)
+    proc = subprocess.run(train_command(1, args), cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=a.timeout)
     row = {"config": name, "ac": ac}
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["?"]
@@ -100,7 +107,8 @@ def table(rows: list[dict]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = RecipeArgumentParser("python scripts/benchmark.py", __doc__.split("\n\n")[0])
     p.add_argument("--flavor", default="llama3.2_1b")
     p.add_argument("--n_layers", type=int, default=None, help="fewer layers of a big flavor, to fit one device")
     p.add_argument("--steps", type=int, default=200)
@@ -111,20 +119,29 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--ac", nargs="+", default=["none", "full"],
                    choices=["none", "full", "selective_layer", "selective_op"])
     p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra recipe overrides for every run")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny CPU run: debug flavor, 4 steps, bf16 and float8 tensorwise, no compile")
-    a = p.parse_args(argv)
-    a.set = [f"--{s.lstrip('-')}" for s in a.set]
+    if "-h" in argv or "--help" in argv:
+        print(p.format_help())
+        return 0
+    try:
+        a, overrides = p.parse_recipe_args(argv)
+        load_job_config(a.recipe, overrides)  # a typo fails here, once, not in every configuration
+    except ConfigError as e:
+        print(f"trainlib: error: {e}", file=sys.stderr)
+        return 2
+    a.overrides = overrides
     if a.cpu_smoke:
         a.flavor, a.n_layers, a.steps, a.warmup, a.seq, a.batch = "debug", None, 4, 2, 64, 2
         a.device = "cpu"
         if a.configs == DEFAULT_CONFIGS:
             a.configs = ["bf16", "float8_tensorwise"]  # compiling takes minutes on a small CPU
     if a.steps <= a.warmup:
-        p.error(f"--steps ({a.steps}) must exceed --warmup ({a.warmup}) so something is measured")
+        print(f"trainlib: error: --steps ({a.steps}) must exceed --warmup ({a.warmup}) so something is measured",
+              file=sys.stderr)
+        return 2
 
     print(f"# {describe_device(a.device)}; {a.flavor} n_layers={a.n_layers or 'default'} "
           f"seq={a.seq} batch={a.batch} steps={a.steps} warmup={a.warmup}", flush=True)

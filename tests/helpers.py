@@ -7,12 +7,13 @@ collect the same way.
 
 import os
 import subprocess
-import sys
 import tempfile
 import traceback
 from pathlib import Path
 
 import torch.multiprocessing as mp
+
+from trainlib.launch import train_command
 
 REPO = Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
@@ -31,13 +32,9 @@ def fault_env(marker_dir, *faults: str) -> dict:
 def run_cli(args, nproc=1, timeout=600, cwd=None, env=None):
     """Run the real CLI (torchrun for nproc > 1), with `env` added to the
     environment. Returns CompletedProcess."""
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "trainlib.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "trainlib.train", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, cwd=cwd or REPO, env=env)
+    return subprocess.run(train_command(nproc, args), capture_output=True, text=True, timeout=timeout,
+                          cwd=cwd or REPO, env=env)
 
 
 def _entry(rank, fn, world, store_path, err_dir, args):

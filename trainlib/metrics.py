@@ -7,6 +7,10 @@ peak_memory_gib. Add fields; never rename these.
 Added fields: mfu_basis ("bf16_peak": the denominator of mfu, whatever the
 matmul precision) and matmul_precision ("float8" when float8 linears run,
 else "default").
+
+To add a field the loop measures, pass it to `MetricsLogger.log` as a keyword
+(`log(step, loss=..., grad_norm=..., lr=..., val_loss=...)`): it is written to
+metrics.jsonl under that name and shown on the console line.
 """
 
 from __future__ import annotations
@@ -110,7 +114,8 @@ class MetricsLogger:
         self._window_steps += 1
         self._window_tokens += tokens
 
-    def log(self, step: int, *, loss: float, grad_norm: float, lr: float, extra: dict | None = None) -> dict:
+    def log(self, step: int, *, loss: float, grad_norm: float, lr: float, **fields: float) -> dict:
+        """Write one record: the contract fields, then `fields` (added names, never a contract name)."""
         now = time.perf_counter()
         elapsed = max(now - self._window_start, 1e-9)
         steps = max(self._window_steps, 1)
@@ -132,8 +137,10 @@ class MetricsLogger:
             "mfu_basis": "bf16_peak",
             "matmul_precision": "float8" if self.float8 else "default",
         }
-        if extra:
-            record.update(extra)
+        clash = record.keys() & fields.keys()
+        if clash:
+            raise TypeError(f"MetricsLogger.log: {sorted(clash)} are built-in fields; give added fields new names")
+        record.update(fields)
         if self.rank == 0:
             if self._file is not None:
                 self._file.write(json.dumps(record) + "\n")
@@ -146,6 +153,7 @@ class MetricsLogger:
                     f"step {step:>6} | loss {loss:8.4f} | grad_norm {grad_norm:8.3f} | lr {lr:.2e} | "
                     f"tok/s {tps:10,.0f} | {record['step_time_s']:.3f} s/step | tflops {tflops:7.2f} | "
                     f"mfu {mfu} | mem {record['peak_memory_gib']:.2f} GiB"
+                    + "".join(f" | {k} {v:.4g}" if isinstance(v, float) else f" | {k} {v}" for k, v in fields.items())
                 )
         self._window_start, self._window_steps, self._window_tokens = now, 0, 0
         return record

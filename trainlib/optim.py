@@ -1,4 +1,4 @@
-"""AdamW and the learning-rate schedule."""
+"""The optimizer (chosen by `optimizer.name`; AdamW) and the learning-rate schedule."""
 
 from __future__ import annotations
 
@@ -53,8 +53,19 @@ class LRSchedulerConfig:
             raise ValueError(f"lr_scheduler.decay_ratio must be in (0, 1], got {self.decay_ratio}")
 
 
+def _adamw(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
+    impl = {"foreach": dict(foreach=True), "fused": dict(fused=True), "for-loop": dict(foreach=False)}
+    return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                             **impl[cfg.implementation])
+
+
+# optimizer.name -> builder(param groups, cfg). A new optimizer is a builder
+# here and its name in OptimizerConfig.name's Literal.
+OPTIMIZERS = {"adamw": _adamw}
+
+
 def build_optimizer(model_parts: Iterable[nn.Module], cfg: OptimizerConfig) -> torch.optim.Optimizer:
-    """One AdamW over all model parts (several under pipeline parallelism).
+    """The optimizer `cfg.name` over all model parts (several under pipeline parallelism).
 
     Weight decay applies to matrices only: decaying norm gains pulls them
     towards zero, which only hurts.
@@ -68,11 +79,7 @@ def build_optimizer(model_parts: Iterable[nn.Module], cfg: OptimizerConfig) -> t
         {"params": decay, "weight_decay": cfg.weight_decay},
         {"params": no_decay, "weight_decay": 0.0},
     ]
-    impl = {"foreach": dict(foreach=True), "fused": dict(fused=True), "for-loop": dict(foreach=False)}
-    return torch.optim.AdamW(
-        [g for g in groups if g["params"]], lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-        **impl[cfg.implementation],
-    )
+    return OPTIMIZERS[cfg.name]([g for g in groups if g["params"]], cfg)
 
 
 def lr_factor(step: int, total_steps: int, cfg: LRSchedulerConfig) -> float:

@@ -1,11 +1,15 @@
 """Run one recipe under several parallel layouts and compare their loss curves.
 
     python -m trainlib.parity --recipe recipes/debug.toml --steps 10 \\
-        --layouts dp_shard=2 dp_shard=4 dp_replicate=2,dp_shard=2
+        --layouts dp_shard=2 dp_shard=4 dp_replicate=2,dp_shard=2 [--section.key=value ...]
 
 Each layout is a comma-separated list of `key=value`; bare keys are
 [parallelism] keys (dp_replicate, dp_shard, cp, tp, pp, pp_schedule, ...), dotted
 keys are any recipe key (e.g. training.local_batch_size=2). Unset degrees are 1.
+Recipe overrides (`--section.key=value`, `--section.key value`, or the older
+`--set section.key=value ...`) apply to every run, the baseline included; the
+grammar is train's (trainlib.config.cli). Without --recipe the built-in
+defaults run (the debug model on the shipped corpus).
 Every layout runs through the real CLI (torchrun for more than one process)
 and is compared step by step with a single-process run of the same recipe.
 The same seed and global batch must give the same curve: that is the
@@ -14,7 +18,6 @@ library's core promise, and the tests use this very tool.
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -23,6 +26,10 @@ import sys
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from trainlib.config import ConfigError, load_job_config
+from trainlib.config.cli import RecipeArgumentParser
+from trainlib.launch import train_command
 
 DEGREES = ("dp_replicate", "dp_shard", "cp", "tp", "pp")
 
@@ -35,6 +42,7 @@ class LayoutRun:
     grad_norms: list[float]
     max_rel_loss: float = 0.0
     max_rel_grad_norm: float = 0.0
+    output: str = ""  # the job's stdout and stderr
 
 
 @dataclass
@@ -75,10 +83,12 @@ def parse_layout(spec: str) -> tuple[int, list[str]]:
     degrees = dict.fromkeys(DEGREES, 1)
     overrides = []
     for item in filter(None, (s.strip() for s in spec.split(","))):
-        if "=" not in item:
-            raise ValueError(f"layout item '{item}' in '{spec}' is not key=value")
-        key, value = item.split("=", 1)
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError(f"layout item '{item}' in '{spec}' is not key=value, e.g. --layouts dp_shard=2,tp=2")
         if key in DEGREES:
+            if not value.isdigit() or int(value) < 1:
+                raise ConfigError(f"layout '{spec}': {key}={value} must be a whole number >= 1")
             degrees[key] = int(value)
         overrides.append(f"--{key if '.' in key else 'parallelism.' + key}={value}")
     for key in DEGREES:  # explicit, so -1 defaults in the recipe cannot change the world size
@@ -86,30 +96,40 @@ def parse_layout(spec: str) -> tuple[int, list[str]]:
     return math.prod(degrees.values()), overrides
 
 
-def run_layout(recipe: str | None, spec: str, steps: int, out_dir: Path, extra: list[str] | None = None,
-               timeout: float = 900.0) -> LayoutRun:
+def _layout_args(spec: str, steps: int, out_dir: Path, extra: list[str]) -> tuple[int, list[str], Path]:
     nproc, overrides = parse_layout(spec)
     folder = out_dir / (spec.replace(",", "_").replace("=", "") or "single")
-    args = (["--recipe", recipe] if recipe else []) + [
-        f"--training.steps={steps}", "--metrics.log_freq=1", "--metrics.console=false",
-        f"--job.dump_folder={folder}", *(extra or []), *overrides,
-    ]
-    if nproc == 1:
-        cmd = [sys.executable, "-m", "trainlib.train", *args]
-    else:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}",
-               "-m", "trainlib.train", *args]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    args = [f"--training.steps={steps}", "--metrics.log_freq=1", "--metrics.console=false",
+            f"--job.dump_folder={folder}", *extra, *overrides]
+    return nproc, args, folder
+
+
+def run_layout(recipe: str | None, spec: str, steps: int, out_dir: Path, extra: list[str] | None = None,
+               timeout: float = 900.0) -> LayoutRun:
+    nproc, args, folder = _layout_args(spec, steps, out_dir, extra or [])
+    cmd = train_command(nproc, (["--recipe", recipe] if recipe else []) + args)
+    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
+                          timeout=timeout)
+    name = spec or "single"
     if proc.returncode != 0:
+        # The job rejected its input (exit 2; torchrun reports 1): pass its one-line reason on.
+        reason = next((x for x in proc.stderr.splitlines() if x.startswith("trainlib: error: ")), None)
+        if reason:
+            raise ConfigError(f"layout '{name}': {reason.removeprefix('trainlib: error: ')}")
         tail = "\n".join((proc.stdout + proc.stderr).splitlines()[-40:])
-        raise RuntimeError(f"layout '{spec or 'single'}' failed (exit {proc.returncode}):\n{tail}")
+        raise RuntimeError(f"layout '{name}' failed (exit {proc.returncode}):\n{tail}")
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return LayoutRun(spec or "single", nproc, [r["loss"] for r in records], [r["grad_norm"] for r in records])
+    return LayoutRun(name, nproc, [r["loss"] for r in records], [r["grad_norm"] for r in records],
+                     output=proc.stdout + proc.stderr)
 
 
 def run_parity(recipe: str | None, layouts: list[str], steps: int = 10, extra: list[str] | None = None,
                out_dir: str | os.PathLike | None = None, baseline: str = "") -> ParityReport:
+    """Run `baseline` (default: one process) and each layout; compare each curve with the baseline's.
+    A bad layout, recipe or override raises ConfigError before anything runs."""
+    extra = list(extra or [])
+    for spec in [baseline, *layouts]:  # the checks that need no world: keys, types, values
+        load_job_config(recipe, _layout_args(spec, steps, Path("."), extra)[1])
     with tempfile.TemporaryDirectory(prefix="trainlib-parity-") as tmp:
         root = Path(out_dir) if out_dir else Path(tmp)
         report = ParityReport(run_layout(recipe, baseline, steps, root, extra))
@@ -126,24 +146,26 @@ def run_parity(recipe: str | None, layouts: list[str], steps: int = 10, extra: l
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainlib.parity", description=__doc__.split("\n\n")[0])
-    p.add_argument("--recipe", default="recipes/debug.toml")
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = RecipeArgumentParser("python -m trainlib.parity", __doc__)
+    p.add_argument("--layouts", nargs="+", required=True, metavar="LAYOUT",
+                   help="comma-separated key=value lists, e.g. dp_shard=2 dp_shard=2,tp=2")
     p.add_argument("--steps", type=int, default=10)
-    p.add_argument("--layouts", nargs="+", required=True, help="e.g. dp_shard=2 dp_shard=2,tp=2")
-    p.add_argument("--baseline", default="", help="layout to compare against (default: one process)")
+    p.add_argument("--baseline", default="", metavar="LAYOUT", help="layout to compare against (default: one process)")
     p.add_argument("--tol", type=float, default=1e-5, help="max relative loss deviation accepted")
-    p.add_argument("--set", nargs="*", default=[], metavar="KEY=VALUE", help="extra recipe overrides for every run")
-    p.add_argument("--out", default=None, help="keep the runs' folders here")
-    a = p.parse_args(argv)
-    extra = [f"--{s.lstrip('-')}" for s in a.set]
+    p.add_argument("--out", default=None, metavar="DIR", help="keep the runs' folders here")
+    if "-h" in argv or "--help" in argv:
+        print(p.format_help())
+        return 0
     try:
-        report = run_parity(a.recipe, a.layouts, a.steps, extra, a.out, a.baseline)
-    except (RuntimeError, ValueError) as e:
-        print(f"trainlib.parity: {e}", file=sys.stderr)
+        ns, overrides = p.parse_recipe_args(argv)
+        report = run_parity(ns.recipe, ns.layouts, ns.steps, overrides, ns.out, ns.baseline)
+    except ConfigError as e:
+        print(f"trainlib: error: {e}", file=sys.stderr)
         return 2
     print(report.table())
-    ok = report.max_rel_loss <= a.tol
-    print(f"{'PASS' if ok else 'FAIL'}: max relative loss deviation {report.max_rel_loss:.2e} (tolerance {a.tol:.0e})")
+    ok = report.max_rel_loss <= ns.tol
+    print(f"{'PASS' if ok else 'FAIL'}: max relative loss deviation {report.max_rel_loss:.2e} (tolerance {ns.tol:.0e})")
     return 0 if ok else 1
 
 

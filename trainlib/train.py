@@ -183,6 +183,8 @@ def train(cfg: JobConfig) -> list[dict]:
     Raises ValueError (ConfigError included) for bad input, before training."""
     info = init_distributed(cfg.comm, cfg.job.device)
     setup_logging(info.rank)
+    if cfg.job.description:  # also in the run folder's config.toml
+        logger.info(f"job: {cfg.job.description}")
     try:
         try:
             job = setup(cfg, info)

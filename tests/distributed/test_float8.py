@@ -1,5 +1,5 @@
-"""float8 training (torchao) on CPU: which linears convert, loss close to fp32,
-FSDP float8 all-gather with precomputed scales, a clear refusal on old GPUs."""
+"""FSDP float8 all-gather (torchao) on 2 gloo ranks: weights sharded as float8-castable
+tensors, one global scale per weight precomputed after the optimizer step."""
 
 
 import torch

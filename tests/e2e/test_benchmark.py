@@ -1,6 +1,7 @@
 """scripts/benchmark.py runs on CPU at a small size (GPU numbers come from the same script)."""
 
 import json
+import os
 import subprocess
 import sys
 
@@ -12,7 +13,7 @@ def test_benchmark_cpu_smoke(tmp_path):
     proc = subprocess.run(
         [sys.executable, "scripts/benchmark.py", "--cpu-smoke", "--configs", "float8_tensorwise", "--ac", "full",
          "--out", str(out)],
-        cwd=REPO, capture_output=True, text=True, timeout=600,
+        cwd=REPO, capture_output=True, text=True, timeout=600, env=dict(os.environ, PYTHONPATH=str(REPO)),
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert "| float8_tensorwise" in proc.stdout and "MFU (bf16 peak)" in proc.stdout

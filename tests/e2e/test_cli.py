@@ -1,8 +1,12 @@
 """The real CLI: torchrun end to end, and user errors as one clean line."""
 
 import json
+import os
+import subprocess
+import sys
 
-from tests.helpers import RECIPES
+from tests.helpers import RECIPES, REPO
+from trainlib.config import load_job_config
 
 CONTRACT = ("step", "loss", "grad_norm", "lr", "tokens_per_second", "step_time_s", "tflops", "mfu", "peak_memory_gib")
 
@@ -16,7 +20,9 @@ def test_torchrun_two_ranks_end_to_end(cli, tmp_path):
     for r in records:
         assert set(CONTRACT) <= set(r), set(CONTRACT) - set(r)
     assert records[-1]["loss"] < records[0]["loss"] - 1.0
-    assert (tmp_path / "config.toml").exists()
+    # job.description is printed at startup and kept with the run.
+    assert "[trainlib] job: tiny Llama 3 on the shipped corpus" in proc.stdout
+    assert load_job_config(tmp_path / "config.toml").job.description == "tiny Llama 3 on the shipped corpus"
 
 
 def test_user_error_exit_code_and_no_traceback_in_a_real_process(cli):
@@ -26,3 +32,32 @@ def test_user_error_exit_code_and_no_traceback_in_a_real_process(cli):
         "trainlib: error: unknown key 'training.stesp' in --training.stesp; did you mean 'training.steps'?"]
 
 
+
+
+def _parity(*args):
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
+    return subprocess.run([sys.executable, "-m", "trainlib.parity", *args], capture_output=True, text=True,
+                          timeout=300, cwd=REPO, env=env)
+
+
+def test_parity_cli_overrides_reach_every_run(tmp_path):
+    # Both override forms and the --set alias (several values after one --set, as docs/performance.md writes it).
+    proc = _parity("--recipe", str(RECIPES / "debug.toml"), "--layouts", "dp_shard=2", "--steps", "2",
+                   "--training.seq_len", "64", "--set", "training.global_batch_size=4", "optimizer.lr=1e-3",
+                   "--out", str(tmp_path))
+    assert proc.returncode == 0, proc.stdout + proc.stderr[-3000:]
+    assert "PASS: max relative loss deviation" in proc.stdout
+    for run in ("single", "dp_shard2"):
+        cfg = load_job_config(tmp_path / run / "config.toml")  # the config the run resolved and used
+        assert (cfg.training.seq_len, cfg.training.global_batch_size, cfg.optimizer.lr) == (64, 4, 1e-3), run
+        assert len((tmp_path / run / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_parity_cli_passes_a_ranks_rejection_on_as_one_line():
+    # Valid keys, but 2 data-parallel ranks cannot split 3 sequences: only the job itself can tell.
+    proc = _parity("--baseline", "dp_shard=2", "--layouts", "dp_shard=2", "--steps", "1",
+                   "--training.global_batch_size=3")
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines() == [
+        "trainlib: error: layout 'dp_shard=2': training.global_batch_size (3) must be divisible by the "
+        "data-parallel degree dp_replicate*dp_shard (2); change the batch or the layout"]

@@ -63,3 +63,38 @@ def test_parser_errors_are_one_line_config_errors(argv, expected):
     with pytest.raises(ConfigError, match=expected) as e:
         p.parse_recipe_args(argv)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("argv,expected", [
+    (["--layouts", "dp_shard=2", "--trainig.steps=1"], "did you mean 'training.steps'"),
+    (["--steps", "2"], "the following arguments are required: --layouts"),
+    (["--layouts", "dp_shard"], "layout item 'dp_shard' in 'dp_shard' is not key=value"),
+    (["--layouts", "tp=x"], "tp=x must be a whole number >= 1"),
+    (["--layouts", "tp=2,float8.recipe=fast"], "float8.recipe: 'fast' is not one of"),
+    (["--layouts", "tp=2", "--set", "training.seed"], "expected SECTION.KEY=VALUE"),
+    (["--layouts", "tp=2", "--recipe", "recipes/nope.toml"], "nope.toml"),
+])
+def test_parity_user_errors_are_one_line_before_any_run(capsys, argv, expected, monkeypatch):
+    import trainlib.parity
+
+    def no_runs(*a, **k):
+        raise AssertionError("a layout ran although the input was bad")
+
+    monkeypatch.setattr(trainlib.parity, "run_layout", no_runs)
+    assert trainlib.parity.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("trainlib: error: ") and expected in err[0], err
+
+
+@pytest.mark.parametrize("tool,own_flags", [("trainlib.parity", ["--layouts", "tp=2"]),
+                                            ("trainlib.checkpoint.bench", ["--model", "debug"])])
+def test_tools_share_the_grammar(capsys, tool, own_flags):
+    import importlib
+
+    main = importlib.import_module(tool).main
+    assert main(["--help"]) == 0
+    out = capsys.readouterr().out
+    assert "--recipe FILE" in out and "--set SECTION.KEY=VALUE" in out
+    assert main([*own_flags, "--training.stesp=3"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "trainlib: error: unknown key 'training.stesp' in --training.stesp; did you mean 'training.steps'?")

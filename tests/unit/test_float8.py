@@ -1,5 +1,5 @@
-"""float8 training (torchao) on CPU: which linears convert, loss close to fp32,
-FSDP float8 all-gather with precomputed scales, a clear refusal on old GPUs."""
+"""float8 training (torchao): which linears convert, with which recipe's
+scaling, and a clear refusal on old GPUs."""
 
 import pytest
 import torch
@@ -47,4 +47,40 @@ def test_gpu_without_float8_is_refused_clearly(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_float8_hardware(Float8Config(enable=True), torch.device("cuda"))
 
+
+# Per recipe, how each of a Float8Linear's six casts scales (written out from
+# torchao's recipe definitions, not read back from them):
+# (input, weight, grad_output) for the forward / grad-input matmuls, then the
+# grad-weight matmul's (input, grad_output). "hp" = not cast: high precision.
+RECIPE_SCALING = {
+    "tensorwise": (("tensorwise",) * 3, ("tensorwise",) * 2, "float8_e5m2"),
+    "rowwise": (("axiswise",) * 3, ("axiswise",) * 2, "float8_e4m3fn"),
+    "rowwise_with_gw_hp": (("axiswise",) * 3, ("hp", "hp"), "float8_e4m3fn"),
+}
+
+
+def _scaling(cast) -> str:
+    return "hp" if cast.scaling_type.value == "disabled" else cast.scaling_granularity.value
+
+
+@pytest.mark.parametrize("recipe", sorted(RECIPE_SCALING))
+@pytest.mark.parametrize("emulate", [False, True])
+def test_converted_linears_carry_the_recipe(recipe, emulate):
+    from torchao.float8.float8_linear import Float8Linear
+
+    model = Transformer(get_model_args("debug"), rope_len=64)
+    converted = convert_float8(model, Float8Config(enable=True, recipe=recipe, emulate=emulate), fsdp=True)
+    fp8 = {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)}
+    assert sorted(fp8) == sorted(converted) and len(fp8) == 7 * get_model_args("debug").n_layers
+    forward, grad_weight, grad_dtype = RECIPE_SCALING[recipe]
+    for name, m in fp8.items():
+        c = m.config
+        assert (_scaling(c.cast_config_input), _scaling(c.cast_config_weight),
+                _scaling(c.cast_config_grad_output)) == forward, name
+        assert (_scaling(c.cast_config_input_for_grad_weight),
+                _scaling(c.cast_config_grad_output_for_grad_weight)) == grad_weight, name
+        assert str(c.cast_config_grad_output.target_dtype) == f"torch.{grad_dtype}", name
+        assert c.emulate is emulate
+        # float8 all-gather exists for tensorwise scales only (rowwise all-gathers in high precision).
+        assert c.enable_fsdp_float8_all_gather is (recipe == "tensorwise")
 

@@ -62,3 +62,19 @@ def test_optimizer_config_errors(kw, match):
         OptimizerConfig(**kw)
 
 
+
+
+def test_optimizer_name_selects_the_builder(monkeypatch):
+    import typing
+
+    import trainlib.optim as optim
+
+    # Every name the recipe key accepts has a builder, and no builder is unreachable.
+    assert set(typing.get_args(typing.get_type_hints(OptimizerConfig)["name"])) == set(optim.OPTIMIZERS)
+    opt = build_optimizer([torch.nn.Linear(4, 4)], OptimizerConfig(name="adamw", lr=0.5, weight_decay=0.2))
+    assert type(opt) is torch.optim.AdamW and opt.defaults["lr"] == 0.5
+    assert [g["weight_decay"] for g in opt.param_groups] == [0.2, 0.0]  # matrices decay, biases do not
+    picked = []
+    monkeypatch.setitem(optim.OPTIMIZERS, "adamw", lambda groups, cfg: picked.append(cfg.name) or "built")
+    assert build_optimizer([torch.nn.Linear(4, 4)], OptimizerConfig(name="adamw")) == "built"
+    assert picked == ["adamw"]

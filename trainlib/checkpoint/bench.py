@@ -1,18 +1,20 @@
 """How long the training loop is blocked per checkpoint save, per async_mode.
 
     python -m trainlib.checkpoint.bench [--steps 9] [--interval 3] [--nproc 1] [--model debug|wide]
+        [--recipe FILE] [--section.key=value ...]
 
 Runs the real CLI once per `checkpoint.async_mode` and reads the
 "loop blocked" time that `Checkpointer.save` logs for every save; prints a
 markdown table (first save separately: the process mode starts its writer
 process then). `wide` is llama3.2_1b's width (dim 2048, ffn 8192) with one
 layer and an 8192-token vocabulary: ~77M parameters, ~0.9 GB of model +
-optimizer state, big enough to be write-bound on CPU.
+optimizer state, big enough to be write-bound on CPU. Recipe overrides
+(train's grammar) apply to every run; without --recipe the built-in defaults
+run.
 """
 
 from __future__ import annotations
 
-import argparse
 import os
 import re
 import statistics
@@ -20,6 +22,10 @@ import subprocess
 import sys
 import tempfile
 import time
+
+from trainlib.config import ConfigError, load_job_config
+from trainlib.config.cli import RecipeArgumentParser
+from trainlib.launch import train_command
 
 MODELS = {
     "debug": ["--model.flavor=debug", "--training.seq_len=256", "--training.global_batch_size=16"],
@@ -29,15 +35,16 @@ MODELS = {
 MODES = ("disabled", "async", "async_with_pinned_mem")
 
 
-def run(model: str, mode: str, steps: int, interval: int, nproc: int, folder: str) -> tuple[list[float], float]:
-    args = ["--recipe", "recipes/debug.toml", *MODELS[model], f"--training.steps={steps}",
-            f"--metrics.log_freq={steps}", f"--job.dump_folder={folder}", "--checkpoint.enable=true",
-            f"--checkpoint.interval={interval}", f"--checkpoint.async_mode={mode}", "--checkpoint.fresh_start=true"]
-    launch = [sys.executable, "-m", "trainlib.train"] if nproc == 1 else [
-        sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}", "-m",
-        "trainlib.train"]
+def _args(model: str, mode: str, steps: int, interval: int, folder: str, overrides: list[str]) -> list[str]:
+    return [*MODELS[model], *overrides, f"--training.steps={steps}", f"--metrics.log_freq={steps}",
+            f"--job.dump_folder={folder}", "--checkpoint.enable=true", f"--checkpoint.interval={interval}",
+            f"--checkpoint.async_mode={mode}", "--checkpoint.fresh_start=true"]
+
+
+def run(recipe: str | None, args: list[str], nproc: int) -> tuple[list[float], float]:
     t0 = time.perf_counter()
-    proc = subprocess.run(launch + args, capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    proc = subprocess.run(train_command(nproc, (["--recipe", recipe] if recipe else []) + args),
+                          capture_output=True, text=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
     wall = time.perf_counter() - t0
     if proc.returncode:
         raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-2000:])
@@ -46,18 +53,29 @@ def run(model: str, mode: str, steps: int, interval: int, nproc: int, folder: st
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainlib.checkpoint.bench", description=__doc__.split("\n\n")[0])
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = RecipeArgumentParser("python -m trainlib.checkpoint.bench", __doc__)
     p.add_argument("--steps", type=int, default=9)
     p.add_argument("--interval", type=int, default=3)
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--model", nargs="+", default=["debug", "wide"], choices=sorted(MODELS))
-    a = p.parse_args(argv)
+    if "-h" in argv or "--help" in argv:
+        print(p.format_help())
+        return 0
+    try:
+        a, overrides = p.parse_recipe_args(argv)
+        for model in a.model:  # a typo fails here, in one line, not after minutes of runs
+            load_job_config(a.recipe, _args(model, MODES[0], a.steps, a.interval, ".", overrides))
+    except ConfigError as e:
+        print(f"trainlib: error: {e}", file=sys.stderr)
+        return 2
     print("| model | async_mode | first save blocked (s) | later saves blocked, median (s) | run wall (s) |")
     print("|---|---|---|---|---|")
     with tempfile.TemporaryDirectory(prefix="trainlib-ckbench-") as tmp:
         for model in a.model:
             for mode in MODES:
-                blocked, wall = run(model, mode, a.steps, a.interval, a.nproc, os.path.join(tmp, model))
+                folder = os.path.join(tmp, model)
+                blocked, wall = run(a.recipe, _args(model, mode, a.steps, a.interval, folder, overrides), a.nproc)
                 later = statistics.median(blocked[1:]) if len(blocked) > 1 else float("nan")
                 print(f"| {model} | {mode} | {blocked[0]:.3f} | {later:.3f} | {wall:.1f} |", flush=True)
     return 0

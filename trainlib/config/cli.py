@@ -31,8 +31,8 @@ class RecipeArgumentParser(argparse.ArgumentParser):
                          formatter_class=argparse.RawDescriptionHelpFormatter)
         self.add_argument("--recipe", default=None, metavar="FILE",
                           help="TOML recipe (default: the built-in defaults: the debug model on the shipped corpus)")
-        self.add_argument("--set", action="append", default=[], metavar="SECTION.KEY=VALUE",
-                          help="a recipe override; the same as --section.key=value")
+        self.add_argument("--set", action="extend", nargs="+", default=[], metavar="SECTION.KEY=VALUE",
+                          help="recipe overrides; --set a.b=1 c.d=2 is the same as --a.b=1 --c.d=2")
 
     def error(self, message: str):  # argparse would print usage and exit; one line instead
         raise ConfigError(f"{message} (see {self.prog} --help)")

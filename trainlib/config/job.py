@@ -23,7 +23,7 @@ from trainlib.parallel.config import ParallelismConfig
 @dataclass
 class JobSection:
     dump_folder: str = field(default="./outputs/run", metadata={"help": "run folder: config, metrics, checkpoints"})
-    description: str = ""
+    description: str = field(default="", metadata={"help": "printed at startup; kept in the run's config.toml"})
     device: Literal["auto", "cpu", "cuda"] = "auto"
 
 

@@ -23,6 +23,7 @@ checkpoint keys strip it (trainlib.params.canonical_name).
 
 from __future__ import annotations
 
+import logging
 from collections import defaultdict
 from dataclasses import dataclass
 from functools import partial
@@ -32,6 +33,8 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
+
+logger = logging.getLogger("trainlib")
 
 MODES = ("none", "full", "selective_layer", "selective_op")
 
@@ -92,8 +95,10 @@ def apply_ac(model: nn.Module, mode: str, *, every_k: int = 2, selective_op_poli
     kwargs: dict = dict(preserve_rng_state=False)
     if mode == "selective_op":
         kwargs["context_fn"] = _op_policy(selective_op_policy == "every_other_mm")
-    for name, block in list(model.layers.items()):
-        if mode == "selective_layer" and int(name) % every_k:
-            continue
-        model.layers[name] = checkpoint_wrapper(block, **kwargs)
+    wrapped = [name for name in model.layers if mode != "selective_layer" or int(name) % every_k == 0]
+    for name in wrapped:
+        model.layers[name] = checkpoint_wrapper(model.layers[name], **kwargs)
+    policy = f" ({selective_op_policy})" if mode == "selective_op" else ""
+    logger.info(f"activation checkpointing {mode}{policy}: blocks {', '.join(wrapped) or 'none'} "
+                f"of {len(model.layers)}")
     return model
