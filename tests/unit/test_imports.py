@@ -24,7 +24,7 @@ ROOT = Path(trainlib.__file__).parent
 # The first pattern a module name matches decides its layer.
 LAYERS = [
     ("core: single-process parts, each usable alone",
-     ["trainlib.config.loader", "trainlib.config.cli", "trainlib.loss", "trainlib.distributed", "trainlib.metrics",
+     ["trainlib.config.loader", "trainlib.config.cli", "trainlib.launch", "trainlib.loss", "trainlib.distributed", "trainlib.metrics",
       "trainlib.optim", "trainlib.float8", "trainlib.data", "trainlib.data.*", "trainlib.models",
       "trainlib.params", "trainlib.models.*.model", "trainlib.models.*.state_dict_adapter"]),
     ("parallel: the mesh, one module per axis, per-model parallelization",
