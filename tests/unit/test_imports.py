@@ -21,7 +21,9 @@ import trainlib
 ROOT = Path(trainlib.__file__).parent
 
 # Lowest first. A module may import from its own layer and the layers below.
-# The first pattern a module name matches decides its layer.
+# A module named exactly in a layer belongs to it; otherwise the first pattern
+# it matches decides (so a command-line tool inside a package, like
+# checkpoint.bench, can sit above its package).
 LAYERS = [
     ("core: single-process parts, each usable alone",
      ["trainlib.config.loader", "trainlib.config.cli", "trainlib.launch", "trainlib.loss", "trainlib.distributed", "trainlib.metrics",
@@ -34,7 +36,7 @@ LAYERS = [
     ("job config: composes every component's config; cross-field validation",
      ["trainlib.config", "trainlib.config.*"]),
     ("entry points", ["trainlib", "trainlib.train", "trainlib.plan", "trainlib.plan.*", "trainlib.parity",
-                      "trainlib.convert"]),
+                      "trainlib.convert", "trainlib.checkpoint.bench"]),
 ]
 
 
@@ -47,6 +49,9 @@ def _modules() -> dict[str, Path]:
 
 
 def _layer(name: str) -> int:
+    for i, (_, patterns) in enumerate(LAYERS):
+        if name in patterns:
+            return i
     for i, (_, patterns) in enumerate(LAYERS):
         if any(fnmatch(name, p) for p in patterns):
             return i
