@@ -10,7 +10,8 @@ import pytest
     (["--training.steps", "1.5"], "training.steps: expected int, got '1.5'"),
     (["--parallelism.fsdp_reshard_after_forward=sometimes"], "'always'"),
     (["--recipe", "recipes/nope.toml"], "nope.toml"),
-    (["--recipe"], "--recipe needs a file path"),
+    (["--recipe"], "--recipe needs a recipe name or file path"),
+    (["--recipe", "llama7b.toml"], "unknown recipe 'llama7b.toml'; did you mean 'llama70b'? shipped recipes: debug,"),
     (["--training.steps=0"], "training.steps must be >= 1"),
     (["--training.global_batch_size=5", "--training.local_batch_size=2"], "multiple of training.local_batch_size"),
 ])
