@@ -39,4 +39,9 @@ if ! python -c 'import torch' 2>/dev/null; then
     python -m pip install -q "torch==$TORCH_VERSION" --index-url https://download.pytorch.org/whl/cpu
   fi
 fi
-python -m pip install -q -e ".[$1]"
+# Editable: code changes need no reinstall, only a change of the dependencies does.
+stamp=".venv/trainlib[$1].installed"
+if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ setup.py -nt "$stamp" ]; then
+  python -m pip install -q -e ".[$1]"
+  touch "$stamp"
+fi
