@@ -328,7 +328,8 @@ def plot_parity(report, prefix: str | Path, tol: float = 1e-5) -> list[Path]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m trainlib.report", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m trainlib.report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders holding metrics.jsonl")
     p.add_argument("--out", metavar="PREFIX", help="write PREFIX.png and PREFIX.html (default: RUN_DIR/report)")
     a = p.parse_args(argv)
