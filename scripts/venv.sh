@@ -31,8 +31,9 @@ if ! python -c 'import torch' 2>/dev/null; then
     echo "NVIDIA GPU found: installing torch $TORCH_VERSION from PyPI (a CUDA build); for another CUDA" \
          "version, install torch from pytorch.org into .venv first"
     python -m pip install -q "torch==$TORCH_VERSION"
-  elif python -m pip install --dry-run -q --report - "torch==$TORCH_VERSION" 2>/dev/null |
-       grep -q '"version": "[^"]*+cpu"'; then
+  elif python -m pip index versions torch 2>/dev/null | tr -s ', ' '\n' | grep -xF "$TORCH_VERSION+cpu" >/dev/null; then
+    # pip's sources list a compatible +cpu wheel (read from the indexes: no wheel is downloaded), and
+    # "torch==$TORCH_VERSION" picks it: a local version label sorts above the plain version.
     python -m pip install -q "torch==$TORCH_VERSION"
   else
     echo "no NVIDIA GPU: installing the CPU build of torch $TORCH_VERSION from PyTorch's CPU wheel index"
