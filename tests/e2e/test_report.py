@@ -5,11 +5,13 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from tests.helpers import REPO, run_cli
 
 
 def test_report_overlays_two_real_runs(tmp_path):
-    import matplotlib.image
+    image = pytest.importorskip("matplotlib.image", reason="the PNG needs matplotlib: pip install -e '.[dev]'")
 
     runs = {"lr3e-3": "3e-3", "lr1e-3": "1e-3"}
     for name, lr in runs.items():
@@ -25,5 +27,5 @@ def test_report_overlays_two_real_runs(tmp_path):
     for name in runs:
         last = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1])
         assert f"{name} (optimizer.lr=" in page and f"<td>{last['loss']:.4g}</td>" in page
-    png = matplotlib.image.imread(tmp_path / "cmp.png")
+    png = image.imread(tmp_path / "cmp.png")
     assert png.shape[:2] == (920, 1600) and (png[..., :3] < 0.9).any(axis=-1).mean() > 0.01

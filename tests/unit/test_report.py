@@ -9,6 +9,8 @@ import pytest
 from trainlib.parity import LayoutRun, ParityReport
 from trainlib.report import PARITY_FLOOR, figure, load_run, main, parity_panels, plot_parity, report, training_panels
 
+NO_MPL = "the PNG needs matplotlib: pip install -e '.[dev]' (scripts/test.sh does)"
+
 
 def write_run(folder, records, torn_tail=""):
     folder.mkdir(parents=True)
@@ -38,6 +40,7 @@ def test_later_record_of_a_step_wins_and_a_torn_tail_is_dropped(resumed):
 
 
 def test_figure_plots_every_field_and_validation_loss_as_its_own_line(resumed):
+    pytest.importorskip("matplotlib", reason=NO_MPL)
     panels, legend = training_panels([load_run(resumed)])
     fig = figure(panels, legend, "t")
     loss_ax, lr_ax, gn_ax, tps_ax, mem_ax, key_ax = fig.axes
@@ -65,19 +68,20 @@ def test_runs_are_told_apart_by_color_and_by_the_config_keys_that_differ(tmp_pat
 
 
 def test_report_writes_a_png_and_a_self_contained_page(resumed, tmp_path):
-    import matplotlib.image
+    matplotlib = pytest.importorskip("matplotlib.image", reason=NO_MPL)
 
     written = report([resumed], tmp_path / "out" / "r")
     assert written == [tmp_path / "out" / "r.html", tmp_path / "out" / "r.png"]
     page = written[0].read_text()
     assert "resumed" in page and "val_loss, step 6: 3.14159" in page and "<svg" in page
     assert "http" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing fetched
-    png = matplotlib.image.imread(written[1])
+    png = matplotlib.imread(written[1])
     assert png.shape[:2] == (920, 1600)  # 16 x 9.2 inches at 100 dpi: two rows of three
     assert (png[..., :3] < 0.9).any(axis=-1).mean() > 0.01  # lines and text, not a blank canvas
 
 
 def test_default_prefix_is_report_in_the_first_run(resumed, capsys):
+    pytest.importorskip("matplotlib", reason=NO_MPL)
     assert main([str(resumed)]) == 0
     assert (resumed / "report.html").is_file() and (resumed / "report.png").is_file()
     assert capsys.readouterr().out.split() == ["wrote", str(resumed / "report.html"), "wrote",
@@ -106,6 +110,7 @@ def test_bad_run_folders_are_one_line_errors(tmp_path, capsys, content, expected
 
 
 def test_parity_plot_shows_each_layout_and_its_relative_deviation_on_a_log_axis(tmp_path):
+    pytest.importorskip("matplotlib", reason=NO_MPL)
     base = [6.0, 5.0, 4.0]
     rep = ParityReport(LayoutRun("single", 1, base, [1.0] * 3))
     rep.runs = [LayoutRun("dp_shard=2", 2, [6.0, 5.0 * (1 + 1e-7), 4.0 * (1 - 3e-7)], [1.0] * 3, max_rel_loss=3e-7),
