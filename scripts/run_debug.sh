@@ -1,14 +1,15 @@
 #!/usr/bin/env bash
-# Install trainlib and train the tiny debug Llama on the shipped corpus, offline.
+# Install trainlib into .venv (see scripts/venv.sh) and train the tiny debug Llama on
+# the shipped corpus, offline. Then `.venv/bin/python -m trainlib.report outputs/debug`
+# draws its curves.
 # Usage: bash scripts/run_debug.sh [NPROC] [--section.key=value ...]
 set -euo pipefail
 cd "$(dirname "$0")/.."
-python -m pip install -q "torch==2.13.0"
-python -m pip install -q -e .
+. scripts/venv.sh report
 export OMP_NUM_THREADS=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
 nproc=1
 if [[ "${1:-}" =~ ^[0-9]+$ ]]; then nproc=$1; shift; fi
 if [ "$nproc" -eq 1 ]; then
-  exec python -m trainlib.train --recipe recipes/debug.toml "$@"
+  exec python -m trainlib.train --recipe debug "$@"
 fi
-exec torchrun --standalone --nproc-per-node="$nproc" -m trainlib.train --recipe recipes/debug.toml "$@"
+exec torchrun --standalone --nproc-per-node="$nproc" -m trainlib.train --recipe debug "$@"

@@ -6,11 +6,15 @@ collect the same way.
 """
 
 import os
+import shutil
 import subprocess
+import sys
+import sysconfig
 import tempfile
 import traceback
 from pathlib import Path
 
+import pytest
 import torch.multiprocessing as mp
 
 from trainlib.launch import train_command
@@ -35,6 +39,23 @@ def run_cli(args, nproc=1, timeout=600, cwd=None, env=None):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     return subprocess.run(train_command(nproc, args), capture_output=True, text=True, timeout=timeout,
                           cwd=cwd or REPO, env=env)
+
+
+def cxx_compiler_problem() -> str | None:
+    """Why torch.compile cannot build its CPU kernels here, or None when it can:
+    inductor compiles C++ at run time with $CXX (default g++; clang++ on macOS),
+    and the kernels include Python.h."""
+    cxx = os.environ.get("CXX", "clang++" if sys.platform == "darwin" else "g++")
+    include = sysconfig.get_paths()["include"]
+    if shutil.which(cxx) is None:
+        return f"torch.compile on CPU needs a C++ compiler: {cxx} not found (install g++, or set CXX)"
+    if not Path(include, "Python.h").is_file():
+        return (f"torch.compile on CPU needs the Python headers: no Python.h in {include} "
+                f"(install python3-dev, or python3.X-dev for your Python)")
+    return None
+
+
+needs_cxx_compiler = pytest.mark.skipif(cxx_compiler_problem() is not None, reason=cxx_compiler_problem() or "")
 
 
 def _entry(rank, fn, world, store_path, err_dir, args):

@@ -154,6 +154,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--baseline", default="", metavar="LAYOUT", help="layout to compare against (default: one process)")
     p.add_argument("--tol", type=float, default=1e-5, help="max relative loss deviation accepted")
     p.add_argument("--out", default=None, metavar="DIR", help="keep the runs' folders here")
+    p.add_argument("--plot", default=None, metavar="PREFIX",
+                   help="also write PREFIX.png and PREFIX.html: each layout's curve against the baseline")
     if "-h" in argv or "--help" in argv:
         print(p.format_help())
         return 0
@@ -164,6 +166,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"trainlib: error: {e}", file=sys.stderr)
         return 2
     print(report.table())
+    if ns.plot:
+        from trainlib.report import plot_parity
+
+        for path in plot_parity(report, ns.plot, ns.tol):
+            print(f"wrote {path}")
     ok = report.max_rel_loss <= ns.tol
     print(f"{'PASS' if ok else 'FAIL'}: max relative loss deviation {report.max_rel_loss:.2e} (tolerance {ns.tol:.0e})")
     return 0 if ok else 1

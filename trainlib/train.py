@@ -216,11 +216,18 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = RecipeArgumentParser("[torchrun --nproc-per-node=N] python -m trainlib.train", DESCRIPTION,
                                   epilog="recipe keys (section.key = default  # type; help):\n" + describe(JobConfig))
+    parser.add_argument("--list-recipes", action="store_true", help="list the shipped recipes and exit")
     if "-h" in argv or "--help" in argv:
         print(parser.format_help())
         return 0
     try:
         ns, overrides = parser.parse_recipe_args(argv)
+        if ns.list_recipes:
+            from trainlib.config.recipes import available_recipes
+
+            width = max(map(len, available_recipes()))
+            print("\n".join(f"{name:<{width}}  {about}" for name, about in available_recipes().items()))
+            return 0
         cfg = load_job_config(ns.recipe, overrides)
     except ConfigError as e:
         return _user_error(str(e))

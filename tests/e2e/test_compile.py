@@ -15,7 +15,7 @@ import re
 
 import pytest
 
-from tests.helpers import RECIPES
+from tests.helpers import RECIPES, needs_cxx_compiler
 from trainlib.parity import run_parity
 
 SMALL = ["--training.global_batch_size=4", "--training.seq_len=128"]
@@ -45,6 +45,7 @@ def compiled_graphs(output: str) -> list[str]:
     return kinds
 
 
+@needs_cxx_compiler
 def test_compiled_blocks_and_loss_match_eager(monkeypatch):
     monkeypatch.setenv("TORCH_LOGS", "dynamo")  # read by the jobs parity starts
     # With selective-op AC: compile runs after AC wrapping, so the compiled
@@ -62,6 +63,7 @@ def test_compiled_blocks_and_loss_match_eager(monkeypatch):
 
 
 @pytest.mark.slow
+@needs_cxx_compiler
 def test_compiled_fsdp_float8_full_ac_matches_eager_float8(monkeypatch):
     monkeypatch.setenv("TORCH_LOGS", "dynamo")
     # Baseline: eager float8 on 2 ranks, so only compile (and AC) differ.

@@ -10,7 +10,8 @@ import pytest
     (["--training.steps", "1.5"], "training.steps: expected int, got '1.5'"),
     (["--parallelism.fsdp_reshard_after_forward=sometimes"], "'always'"),
     (["--recipe", "recipes/nope.toml"], "nope.toml"),
-    (["--recipe"], "--recipe needs a file path"),
+    (["--recipe"], "--recipe needs a recipe name or file path"),
+    (["--recipe", "llama7b.toml"], "unknown recipe 'llama7b.toml'; did you mean 'llama70b'? shipped recipes: debug,"),
     (["--training.steps=0"], "training.steps must be >= 1"),
     (["--training.global_batch_size=5", "--training.local_batch_size=2"], "multiple of training.local_batch_size"),
 ])
@@ -94,7 +95,7 @@ def test_tools_share_the_grammar(capsys, tool, own_flags):
     main = importlib.import_module(tool).main
     assert main(["--help"]) == 0
     out = capsys.readouterr().out
-    assert "--recipe FILE" in out and "--set SECTION.KEY=VALUE" in out
+    assert "--recipe NAME|FILE" in out and "--set SECTION.KEY=VALUE" in out
     assert main([*own_flags, "--training.stesp=3"]) == 2
     assert capsys.readouterr().err.strip() == (
         "trainlib: error: unknown key 'training.stesp' in --training.stesp; did you mean 'training.steps'?")

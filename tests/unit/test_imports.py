@@ -26,7 +26,7 @@ ROOT = Path(trainlib.__file__).parent
 # checkpoint.bench, can sit above its package).
 LAYERS = [
     ("core: single-process parts, each usable alone",
-     ["trainlib.config.loader", "trainlib.config.cli", "trainlib.launch", "trainlib.loss", "trainlib.distributed", "trainlib.metrics",
+     ["trainlib.config.loader", "trainlib.config.cli", "trainlib.config.recipes", "trainlib.launch", "trainlib.loss", "trainlib.distributed", "trainlib.metrics",
       "trainlib.optim", "trainlib.float8", "trainlib.data", "trainlib.data.*", "trainlib.models",
       "trainlib.params", "trainlib.models.*.model", "trainlib.models.*.state_dict_adapter"]),
     ("parallel: the mesh, one module per axis, per-model parallelization",
@@ -36,7 +36,7 @@ LAYERS = [
     ("job config: composes every component's config; cross-field validation",
      ["trainlib.config", "trainlib.config.*"]),
     ("entry points", ["trainlib", "trainlib.train", "trainlib.plan", "trainlib.plan.*", "trainlib.parity",
-                      "trainlib.convert", "trainlib.checkpoint.bench"]),
+                      "trainlib.convert", "trainlib.checkpoint.bench", "trainlib.report"]),
 ]
 
 

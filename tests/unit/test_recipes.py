@@ -1,9 +1,9 @@
-"""Every shipped recipe loads and passes the checks that need no GPU."""
+"""Every shipped recipe loads and passes the checks that need no GPU; recipes resolve by name."""
 
 import pytest
 
 from tests.helpers import RECIPES
-from trainlib.config import load_job_config
+from trainlib.config import ConfigError, load_job_config, resolve_recipe
 from trainlib.config.validate import resolve_local_batch_size
 from trainlib.models.llama3 import get_model_args
 from trainlib.parallel import ParallelDims
@@ -34,3 +34,47 @@ def test_variants_extend_the_base():
     assert cfg.training.mixed_precision_param == "bfloat16"
 
 
+
+
+@pytest.mark.parametrize("name,file", [
+    ("llama70b.toml", "llama3_70b.toml"), ("llama70b", "llama3_70b.toml"), ("llama8b", "llama3_8b.toml"),
+    ("llama405b.toml", "llama3_405b.toml"), ("debug", "debug.toml"), ("llama3_8b.toml", "llama3_8b.toml"),
+])
+def test_names_and_card_aliases_resolve_from_any_folder(name, file, tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert resolve_recipe(name).resolve() == (RECIPES / file).resolve()
+
+
+def test_a_path_stays_a_path(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "debug.toml").write_text("[training]\nsteps = 7\n")
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "sub" / "mine.toml").write_text('extends = "../debug.toml"\n[training]\nseed = 3\n')
+    assert load_job_config("debug.toml").training.steps == 7  # an existing file is a path, not the shipped name
+    cfg = load_job_config("sub/mine.toml")
+    assert (cfg.training.steps, cfg.training.seed) == (7, 3)
+    assert load_job_config("debug").training.steps == 50  # no file called "debug" here: the shipped recipe
+
+
+def test_unknown_name_lists_the_shipped_recipes():
+    with pytest.raises(ConfigError) as e:
+        resolve_recipe("llama7b")
+    msg = str(e.value)
+    assert "unknown recipe 'llama7b'; did you mean 'llama70b'?" in msg and "\n" not in msg
+    assert all(p.stem in msg for p in RECIPES.glob("*.toml")) and "llama3_70b (llama70b)" in msg
+
+
+def test_a_missing_path_named_like_a_shipped_recipe_suggests_the_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # the README's "recipes/llama3_70b.toml", typed outside the repo
+    with pytest.raises(ConfigError, match="not found: recipes/llama3_70b.toml; the shipped recipe of that name "
+                                          "is --recipe llama3_70b"):
+        load_job_config("recipes/llama3_70b.toml")
+
+
+def test_list_recipes_prints_one_line_per_recipe(capsys):
+    from trainlib.train import main
+
+    assert main(["--list-recipes"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert [line.split()[0] for line in lines] == [p.stem for p in sorted(RECIPES.glob("*.toml"))]
+    assert any(line.startswith("llama3_70b (llama70b)") and "256 GPUs" in line for line in lines)

@@ -1,6 +1,6 @@
 """One command-line grammar for every entry point that reads a recipe.
 
-    python -m trainlib.<tool> [--recipe FILE] [tool flags] [--section.key=value | --section.key value ...]
+    python -m trainlib.<tool> [--recipe NAME|FILE] [tool flags] [--section.key=value | --section.key value ...]
 
 `train`, `plan`, `parity` (and any later tool) build a `RecipeArgumentParser`,
 add their own flags, and get back the namespace plus the recipe overrides in
@@ -29,8 +29,9 @@ class RecipeArgumentParser(argparse.ArgumentParser):
     def __init__(self, prog: str, description: str = "", *, epilog: str | None = None):
         super().__init__(prog=prog, description=description, epilog=epilog, allow_abbrev=False,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
-        self.add_argument("--recipe", default=None, metavar="FILE",
-                          help="TOML recipe (default: the built-in defaults: the debug model on the shipped corpus)")
+        self.add_argument("--recipe", default=None, metavar="NAME|FILE",
+                          help="a shipped recipe's name (e.g. debug, llama70b.toml) or a TOML file's path "
+                               "(default: the built-in defaults: the debug model on the shipped corpus)")
         self.add_argument("--set", action="extend", nargs="+", default=[], metavar="SECTION.KEY=VALUE",
                           help="recipe overrides; --set a.b=1 c.d=2 is the same as --a.b=1 --c.d=2")
 
@@ -42,7 +43,7 @@ class RecipeArgumentParser(argparse.ArgumentParser):
         argv = list(argv)
         for i, tok in enumerate(argv):
             if tok == "--recipe" and (i + 1 == len(argv) or argv[i + 1].startswith("--")):
-                raise ConfigError("--recipe needs a file path, e.g. --recipe recipes/debug.toml")
+                raise ConfigError("--recipe needs a recipe name or file path, e.g. --recipe debug")
         ns, rest = self.parse_known_args(argv)
         pairs = []
         for item in ns.set:

@@ -1,0 +1,131 @@
+"""trainlib.report on hand-written metrics: resumed runs, validation loss, the PNG and the page."""
+
+import json
+import math
+import sys
+
+import pytest
+
+from trainlib.parity import LayoutRun, ParityReport
+from trainlib.report import PARITY_FLOOR, figure, load_run, main, parity_panels, plot_parity, report, training_panels
+
+NO_MPL = "the PNG needs matplotlib: pip install -e '.[dev]' (scripts/test.sh does)"
+
+
+def write_run(folder, records, torn_tail=""):
+    folder.mkdir(parents=True)
+    (folder / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records) + torn_tail)
+    return folder
+
+
+def record(step, loss, **extra):
+    return {"step": step, "loss": loss, "grad_norm": 1.0 / step, "lr": 1e-3, "tokens_per_second": 1000.0 * step,
+            "step_time_s": 0.1, "tflops": 0.01, "mfu": None, "peak_memory_gib": 0.5, **extra}
+
+
+@pytest.fixture
+def resumed(tmp_path):
+    # Steps 1-6, val_loss on 3 and 6; resumed from a step-4 checkpoint: 5 and 6 logged again, then 7 and 8.
+    # The crash left half a record at the end.
+    first = [record(s, 10.0 - s, **({"val_loss": 10.5 - s} if s % 3 == 0 else {})) for s in range(1, 7)]
+    again = [record(5, 4.75), record(6, 3.75, val_loss=3.14159), record(7, 2.75), record(8, 1.75)]
+    return write_run(tmp_path / "resumed", first + again, torn_tail='{"step": 9, "lo')
+
+
+def test_later_record_of_a_step_wins_and_a_torn_tail_is_dropped(resumed):
+    run = load_run(resumed)
+    assert [r["step"] for r in run.records] == list(range(1, 9))
+    assert [r["loss"] for r in run.records] == [9.0, 8.0, 7.0, 6.0, 4.75, 3.75, 2.75, 1.75]
+    assert [r.get("val_loss") for r in run.records if "val_loss" in r] == [7.5, 3.14159]
+
+
+def test_figure_plots_every_field_and_validation_loss_as_its_own_line(resumed):
+    pytest.importorskip("matplotlib", reason=NO_MPL)
+    panels, legend = training_panels([load_run(resumed)])
+    fig = figure(panels, legend, "t")
+    loss_ax, lr_ax, gn_ax, tps_ax, mem_ax, key_ax = fig.axes
+    train, val = loss_ax.lines
+    assert list(train.get_ydata()) == [9.0, 8.0, 7.0, 6.0, 4.75, 3.75, 2.75, 1.75]
+    assert (list(val.get_xdata()), list(val.get_ydata())) == ([3, 6], [7.5, 3.14159])
+    assert val.get_linestyle() == "--" and train.get_linestyle() == "-"
+    assert list(tps_ax.lines[0].get_ydata()) == [1000.0 * s for s in range(1, 9)]
+    assert [ax.get_xlabel() for ax in fig.axes[:5]] == ["step"] * 5
+    assert mem_ax.get_ylabel() == "peak memory (GiB)" and gn_ax.get_ylabel() == "grad_norm" and lr_ax.get_ylabel() == "lr"
+    labels = [t.get_text() for t in key_ax.get_legend().get_texts()]
+    assert labels[0] == "resumed: loss 9 -> 1.75 at step 8" and labels[1:] == ["training loss", "validation loss"]
+
+
+def test_runs_are_told_apart_by_color_and_by_the_config_keys_that_differ(tmp_path):
+    dirs = []
+    for name, lr in (("a", 0.003), ("b", 0.001)):
+        d = write_run(tmp_path / name, [record(1, 5.0), record(2, 4.0 if name == "a" else 4.5)])
+        (d / "config.toml").write_text(f'[job]\ndump_folder = "{d}"\n\n[optimizer]\nlr = {lr}\nweight_decay = 0.1\n')
+        dirs.append(d)
+    panels, legend = training_panels([load_run(d) for d in dirs])
+    assert [s.label for s in legend] == ["a (optimizer.lr=0.003): loss 5 -> 4 at step 2",
+                                         "b (optimizer.lr=0.001): loss 5 -> 4.5 at step 2"]
+    assert len({s.color for s in panels[0].series}) == 2
+
+
+def test_report_writes_a_png_and_a_self_contained_page(resumed, tmp_path):
+    matplotlib = pytest.importorskip("matplotlib.image", reason=NO_MPL)
+
+    written = report([resumed], tmp_path / "out" / "r")
+    assert written == [tmp_path / "out" / "r.html", tmp_path / "out" / "r.png"]
+    page = written[0].read_text()
+    assert "resumed" in page and "val_loss, step 6: 3.14159" in page and "<svg" in page
+    assert "http" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing fetched
+    png = matplotlib.imread(written[1])
+    assert png.shape[:2] == (920, 1600)  # 16 x 9.2 inches at 100 dpi: two rows of three
+    assert (png[..., :3] < 0.9).any(axis=-1).mean() > 0.01  # lines and text, not a blank canvas
+
+
+def test_default_prefix_is_report_in_the_first_run(resumed, capsys):
+    pytest.importorskip("matplotlib", reason=NO_MPL)
+    assert main([str(resumed)]) == 0
+    assert (resumed / "report.html").is_file() and (resumed / "report.png").is_file()
+    assert capsys.readouterr().out.split() == ["wrote", str(resumed / "report.html"), "wrote",
+                                               str(resumed / "report.png")]
+
+
+def test_without_matplotlib_the_page_is_still_written(resumed, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
+    assert report([resumed], tmp_path / "r") == [tmp_path / "r.html"]
+    assert not (tmp_path / "r.png").exists()
+    assert "skipped r.png: matplotlib is not installed (pip install 'trainlib[report]')" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("content,expected", [
+    (None, "no metrics.jsonl in"),
+    ('{"step": 1, "loss": 2}\nnot json\n{"step": 3, "loss": 1}\n', "metrics.jsonl:2 is not a JSON record"),
+    ("", "holds no records yet"),
+])
+def test_bad_run_folders_are_one_line_errors(tmp_path, capsys, content, expected):
+    (tmp_path / "run").mkdir()
+    if content is not None:
+        (tmp_path / "run" / "metrics.jsonl").write_text(content)
+    assert main([str(tmp_path / "run")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("trainlib.report: error: ") and expected in err and err.count("\n") == 1
+
+
+def test_parity_plot_shows_each_layout_and_its_relative_deviation_on_a_log_axis(tmp_path):
+    pytest.importorskip("matplotlib", reason=NO_MPL)
+    base = [6.0, 5.0, 4.0]
+    rep = ParityReport(LayoutRun("single", 1, base, [1.0] * 3))
+    rep.runs = [LayoutRun("dp_shard=2", 2, [6.0, 5.0 * (1 + 1e-7), 4.0 * (1 - 3e-7)], [1.0] * 3, max_rel_loss=3e-7),
+                LayoutRun("tp=2", 2, [6.0, 5.0, 4.0], [1.0] * 3)]
+    panels, legend = parity_panels(rep, tol=1e-5)
+    fig = figure(panels, legend, "t")
+    curves, devs = fig.axes[:2]
+    assert [line.get_label() for line in curves.lines] == ["single", "dp_shard=2", "tp=2"]
+    assert devs.get_yscale() == "log"
+    tol, dp, tp = devs.lines
+    assert list(tol.get_ydata()) == [1e-5, 1e-5]
+    assert [math.isclose(a, b, rel_tol=1e-6) for a, b in zip(dp.get_ydata(), [PARITY_FLOOR, 1e-7, 3e-7])] == [True] * 3
+    assert list(tp.get_ydata()) == [PARITY_FLOOR] * 3  # bitwise equal: drawn at the floor, not dropped
+
+    written = plot_parity(rep, tmp_path / "parity")
+    assert [p.name for p in written] == ["parity.html", "parity.png"]
+    page = written[0].read_text()
+    assert "dp_shard=2" in page and "tp=2" in page and "3.00e-07" in page

@@ -1,0 +1,346 @@
+"""Pictures of training runs:
+
+    python -m trainlib.report RUN_DIR [RUN_DIR ...] [--out PREFIX]
+
+writes PREFIX.png (needs matplotlib: `pip install 'trainlib[report]'`; without
+it the PNG is skipped with a note) and PREFIX.html, one self-contained page of
+inline SVG that opens offline. The default PREFIX is `report` inside the first
+RUN_DIR. Each panel plots a metrics.jsonl field against the step, runs
+overlaid in one color each: loss (with val_loss where validation ran), lr,
+grad_norm, tokens_per_second and peak_memory_gib. Legends name each run by
+its folder, plus the recipe keys in which the runs' config.toml differ.
+A resumed run appends to metrics.jsonl, so a step may appear twice: the later
+record wins. `plot_parity` draws a `trainlib.parity` report the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import html
+import json
+import math
+import sys
+import textwrap
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from trainlib.config.loader import load_toml_with_extends
+
+# matplotlib's default cycle, so the PNG and the page color runs alike.
+COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
+          "#17becf"]
+PARITY_FLOOR = 1e-9  # where an exactly equal step sits on the log axis of relative deviations
+
+
+@dataclass
+class Series:
+    label: str
+    color: str
+    steps: list[float] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    dashed: bool = False
+    markers: bool = False
+    width: float = 1.5
+
+
+@dataclass
+class Panel:
+    title: str
+    ylabel: str
+    series: list[Series]
+    logy: bool = False
+
+
+@dataclass
+class Run:
+    name: str
+    records: list[dict]  # one per step, by step
+    config: dict  # config.toml flattened to {"section.key": value}; {} when absent
+
+
+def load_run(run_dir: str | Path) -> Run:
+    run_dir = Path(run_dir)
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise ValueError(f"no metrics.jsonl in {run_dir}; pass run folders (a recipe's job.dump_folder)")
+    by_step = {}
+    text = path.read_text(encoding="utf-8")
+    lines = text.splitlines()
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as e:
+            if i == len(lines) and not text.endswith("\n"):
+                break  # a record torn by a crash mid-write: every complete one ends with a newline
+            raise ValueError(f"{path}:{i} is not a JSON record ({e}); fix or delete that line") from None
+        by_step[record["step"]] = record  # a resumed run appends: the later record of a step wins
+    if not by_step:
+        raise ValueError(f"{path} holds no records yet; the run logs its first one after step 1")
+    config = {}
+    if (run_dir / "config.toml").is_file():
+        config = _flatten(load_toml_with_extends(run_dir / "config.toml"))
+    return Run(run_dir.resolve().name or str(run_dir), [by_step[s] for s in sorted(by_step)], config)
+
+
+def _flatten(d: dict, prefix: str = "") -> dict:
+    out = {}
+    for k, v in d.items():
+        out.update(_flatten(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+def _finite(steps, values) -> tuple[list, list]:
+    pairs = [(s, v) for s, v in zip(steps, values) if isinstance(v, (int, float)) and math.isfinite(v)]
+    return [p[0] for p in pairs], [p[1] for p in pairs]
+
+
+def _field(run: Run, key: str) -> tuple[list, list]:
+    return _finite([r["step"] for r in run.records if key in r], [r[key] for r in run.records if key in r])
+
+
+def run_labels(runs: list[Run]) -> list[str]:
+    """Each run's name plus the recipe keys whose values differ between the runs
+    (among the runs that have a config.toml)."""
+    configs = [r.config for r in runs if r.config]
+    keys = sorted(set.intersection(*map(set, configs)) - {"job.dump_folder"}) if configs else []
+    differ = [k for k in keys if len({repr(c[k]) for c in configs}) > 1]
+    labels = []
+    for r in runs:
+        shown = [f"{k}={r.config[k]}" for k in differ if k in r.config]
+        more = f", +{len(shown) - 3} more" if len(shown) > 3 else ""
+        labels.append(r.name + (f" ({', '.join(shown[:3])}{more})" if shown else ""))
+    return labels
+
+
+def _loss_change(run: Run) -> str:
+    steps, losses = _field(run, "loss")
+    return f"{_fmt(losses[0])} -> {_fmt(losses[-1])} at step {steps[-1]}" if losses else "none logged"
+
+
+def training_panels(runs: list[Run]) -> tuple[list[Panel], list[Series]]:
+    """The report's panels and its legend (one entry per run, then line styles)."""
+    colors = [COLORS[i % len(COLORS)] for i in range(len(runs))]
+    loss = []
+    for run, color in zip(runs, colors):
+        loss.append(Series(f"{run.name} loss", color, *_field(run, "loss")))
+        val = Series(f"{run.name} val_loss", color, *_field(run, "val_loss"), dashed=True, markers=True)
+        if val.steps:
+            loss.append(val)
+    has_val = any(s.dashed for s in loss)
+    panels = [Panel("loss (dashed: validation)" if has_val else "training loss", "loss", loss)]
+    for title, key, ylabel in [("learning rate", "lr", "lr"), ("gradient norm", "grad_norm", "grad_norm"),
+                               ("throughput", "tokens_per_second", "tokens/s (global)"),
+                               ("peak memory", "peak_memory_gib", "peak memory (GiB)")]:
+        panels.append(Panel(title, ylabel, [Series(run.name, c, *_field(run, key)) for run, c in zip(runs, colors)]))
+    legend = [Series(f"{label}: loss {_loss_change(run)}", c, width=2.5)
+              for run, label, c in zip(runs, run_labels(runs), colors)]
+    if has_val:
+        legend += [Series("training loss", "#444444"), Series("validation loss", "#444444", dashed=True, markers=True)]
+    return panels, legend
+
+
+def parity_panels(report, tol: float) -> tuple[list[Panel], list[Series]]:
+    """`report`: a trainlib.parity.ParityReport (baseline and runs with .name and .losses)."""
+    base = report.baseline
+    steps = list(range(1, len(base.losses) + 1))
+    colors = [COLORS[i % len(COLORS)] for i in range(len(report.runs))]
+    curves = [Series(base.name, "#000000", steps, list(base.losses), width=3.0)]
+    devs = [Series("tolerance", "#888888", [steps[0], steps[-1]], [tol, tol], dashed=True)]
+    for run, color in zip(report.runs, colors):
+        n = min(len(run.losses), len(base.losses))
+        curves.append(Series(run.name, color, steps[:n], list(run.losses[:n]), dashed=True, markers=True))
+        rel = [abs(a - b) / max(abs(b), 1e-12) for a, b in zip(run.losses, base.losses)]
+        devs.append(Series(run.name, color, *_finite(steps[:n], [max(d, PARITY_FLOOR) for d in rel]),
+                           dashed=True, markers=True))
+    panels = [Panel(f"loss: each layout against {base.name}", "loss", curves),
+              Panel("relative loss deviation per step", f"|loss - {base.name}| / {base.name} (0 drawn at "
+                    f"{PARITY_FLOOR:.0e})", devs, logy=True)]
+    legend = [Series(f"{base.name} (baseline)", "#000000", width=3.0)]
+    legend += [Series(f"{r.name} (max {r.max_rel_loss:.1e})", c, dashed=True, markers=True)
+               for r, c in zip(report.runs, colors)]
+    return panels, legend + [Series(f"tolerance {tol:.0e}", "#888888", dashed=True)]
+
+
+# ------------------------------------------------------------------------ PNG
+def figure(panels: list[Panel], legend: list[Series], title: str):
+    """A matplotlib Figure: the panels in rows of three, the legend in the next cell."""
+    from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
+
+    rows = math.ceil((len(panels) + 1) / 3)
+    fig = Figure(figsize=(16, 4.6 * rows), dpi=100, layout="constrained")
+    fig.suptitle(title, fontsize=13)
+    axes = list(fig.subplots(rows, 3, squeeze=False).flat)
+    for ax, panel in zip(axes, panels):
+        for s in panel.series:
+            ax.plot(s.steps, s.values, color=s.color, lw=s.width, ls="--" if s.dashed else "-",
+                    marker="o" if s.markers else None, ms=3.5, label=s.label)
+        ax.set(title=panel.title, xlabel="step", ylabel=panel.ylabel, yscale="log" if panel.logy else "linear")
+        ax.grid(alpha=0.3)
+    key = axes[len(panels)]
+    for s in legend:
+        key.plot([], [], color=s.color, lw=s.width, ls="--" if s.dashed else "-", marker="o" if s.markers else None,
+                 label=textwrap.fill(s.label, 60, subsequent_indent="  "))  # a long label must not squeeze the panels
+    key.axis("off")
+    key.legend(loc="upper left", frameon=False, fontsize=10)
+    for ax in axes[len(panels) + 1:]:
+        ax.axis("off")
+    return fig
+
+
+# ----------------------------------------------------------------------- HTML
+def _fmt(v: float) -> str:
+    a = abs(v)
+    if a >= 1e6:
+        return f"{v / 1e6:.3g}M"
+    if a >= 1e4:
+        return f"{v / 1e3:.3g}k"
+    return f"{v:.1e}" if 0 < a < 1e-2 else f"{v:.4g}"
+
+
+def _ticks(lo: float, hi: float, n: int = 5) -> list[float]:
+    raw = (hi - lo) / n
+    mag = 10 ** math.floor(math.log10(raw))
+    step = next(m * mag for m in (1, 2, 5, 10) if m * mag >= raw)
+    first = math.ceil(lo / step - 1e-9) * step
+    return [round(first + i * step, 12) for i in range(int((hi - first) / step + 1e-9) + 1)]
+
+
+def _span(values: list[float]) -> tuple[float, float]:
+    lo, hi = min(values), max(values)
+    pad = (hi - lo) * 0.05 or abs(hi) * 0.1 or 1.0
+    return lo - pad, hi + pad
+
+
+def svg_panel(panel: Panel, w: int = 470, h: int = 300) -> str:
+    left, right, top, bottom = 66, 12, 26, 42
+    pw, ph = w - left - right, h - top - bottom
+    ys_of = (lambda v: math.log10(v)) if panel.logy else (lambda v: v)
+    data = [(s, s.steps, [ys_of(v) for v in s.values]) for s in panel.series
+            if (s.steps and (not panel.logy or min(s.values) > 0))]
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
+           f'font-size="11"><text x="{w / 2}" y="16" text-anchor="middle" font-size="13">'
+           f'{html.escape(panel.title)}</text>',
+           f'<text x="{left + pw / 2}" y="{h - 6}" text-anchor="middle">step</text>',
+           f'<text transform="translate(13,{top + ph / 2}) rotate(-90)" text-anchor="middle">'
+           f'{html.escape(panel.ylabel)}</text>',
+           f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>']
+    if not data:
+        return "".join(out) + f'<text x="{left + pw / 2}" y="{top + ph / 2}" text-anchor="middle">no data</text></svg>'
+    x0, x1 = _span([x for _, xs, _ in data for x in xs])
+    y0, y1 = _span([y for _, _, ys in data for y in ys])
+    sx = lambda x: left + (x - x0) / (x1 - x0) * pw  # noqa: E731
+    sy = lambda y: top + (y1 - y) / (y1 - y0) * ph  # noqa: E731
+    for x in _ticks(x0, x1):
+        out.append(f'<line x1="{sx(x):.1f}" x2="{sx(x):.1f}" y1="{top}" y2="{top + ph}" stroke="#eee"/>'
+                   f'<text x="{sx(x):.1f}" y="{top + ph + 14}" text-anchor="middle">{_fmt(x)}</text>')
+    decades = range(math.ceil(y0), math.floor(y1) + 1) if panel.logy else []
+    for y in decades if len(decades) > 1 else _ticks(y0, y1):
+        label = f"1e{y}" if len(decades) > 1 else f"{10 ** y:.1e}" if panel.logy else _fmt(y)
+        out.append(f'<line x1="{left}" x2="{left + pw}" y1="{sy(y):.1f}" y2="{sy(y):.1f}" stroke="#eee"/>'
+                   f'<text x="{left - 4}" y="{sy(y) + 4:.1f}" text-anchor="end">{label}</text>')
+    for s, xs, ys in data:
+        points = " ".join(f"{sx(x):.1f},{sy(y):.1f}" for x, y in zip(xs, ys))
+        dash = ' stroke-dasharray="6,4"' if s.dashed else ""
+        out.append(f'<polyline points="{points}" fill="none" stroke="{s.color}" stroke-width="{s.width}"{dash}>'
+                   f'<title>{html.escape(s.label)}</title></polyline>')
+        if s.markers:
+            out += [f'<circle cx="{sx(x):.1f}" cy="{sy(y):.1f}" r="2.5" fill="{s.color}"><title>'
+                    f'{html.escape(s.label)}, step {x:g}: {v:.6g}</title></circle>'
+                    for x, y, v in zip(xs, ys, s.values)]
+    return "".join(out) + "</svg>"
+
+
+def html_page(panels: list[Panel], legend: list[Series], title: str, table: list[list[str]]) -> str:
+    keys = "".join(f'<li><span style="border-top:3px {"dashed" if s.dashed else "solid"} {s.color}"></span>'
+                   f"{html.escape(s.label)}</li>" for s in legend)
+    head, *rows = table
+    cells = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in row) + "</tr>" for row in rows)
+    return f"""<!doctype html>
+<html><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<style>
+body {{ font-family: sans-serif; margin: 1.5em; color: #222; }}
+ul {{ list-style: none; padding: 0; }} li {{ margin: 0.2em 0; }}
+li span {{ display: inline-block; width: 2.2em; margin-right: 0.6em; vertical-align: middle; }}
+.panels {{ display: flex; flex-wrap: wrap; gap: 0.8em; }}
+table {{ border-collapse: collapse; margin-top: 1em; }}
+td, th {{ border: 1px solid #ccc; padding: 0.2em 0.6em; text-align: right; }}
+td:first-child, th:first-child {{ text-align: left; }}
+</style></head><body>
+<h1>{html.escape(title)}</h1>
+<ul>{keys}</ul>
+<div class="panels">{"".join(svg_panel(p) for p in panels)}</div>
+<table><tr>{"".join(f"<th>{html.escape(c)}</th>" for c in head)}</tr>{cells}</table>
+</body></html>
+"""
+
+
+# ---------------------------------------------------------------------- write
+def write(panels: list[Panel], legend: list[Series], title: str, table: list[list[str]],
+          prefix: str | Path) -> list[Path]:
+    """PREFIX.html always; PREFIX.png when matplotlib is installed. Returns what was written."""
+    prefix = Path(prefix)
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    written = [prefix.with_name(prefix.name + ".html")]
+    written[0].write_text(html_page(panels, legend, title, table), encoding="utf-8")
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print(f"skipped {prefix.name}.png: matplotlib is not installed (pip install 'trainlib[report]')")
+        return written
+    png = prefix.with_name(prefix.name + ".png")
+    figure(panels, legend, title).savefig(png)
+    return written + [png]
+
+
+def _summary(run: Run) -> list[str]:
+    def last(key):
+        values = _field(run, key)[1]
+        return _fmt(values[-1]) if values else "-"
+
+    losses = _field(run, "loss")[1]
+    tps = sorted(_field(run, "tokens_per_second")[1])
+    return [run.name, str(run.records[-1]["step"]), _fmt(losses[0]) if losses else "-", last("loss"),
+            _fmt(min(losses)) if losses else "-", last("val_loss"), _fmt(tps[len(tps) // 2]) if tps else "-",
+            _fmt(max(_field(run, "peak_memory_gib")[1], default=0.0))]
+
+
+def report(run_dirs: list[str | Path], prefix: str | Path | None = None) -> list[Path]:
+    runs = [load_run(d) for d in run_dirs]
+    if len({r.name for r in runs}) < len(runs):  # same folder name in different places: use the paths
+        for r, d in zip(runs, run_dirs):
+            r.name = str(d)
+    panels, legend = training_panels(runs)
+    table = [["run", "last step", "first loss", "last loss", "min loss", "last val_loss", "median tok/s",
+              "peak memory GiB"]] + [_summary(r) for r in runs]
+    return write(panels, legend, "trainlib: " + ", ".join(r.name for r in runs), table,
+                 prefix or Path(run_dirs[0]) / "report")
+
+
+def plot_parity(report, prefix: str | Path, tol: float = 1e-5) -> list[Path]:
+    """Draw a trainlib.parity.ParityReport: each layout's loss curve against the
+    baseline's, and the relative deviation per step on a log axis."""
+    panels, legend = parity_panels(report, tol)
+    table = [["layout", "processes", "max rel. loss deviation", "max rel. grad_norm deviation"]]
+    table += [[r.name, str(r.nproc), f"{r.max_rel_loss:.2e}", f"{r.max_rel_grad_norm:.2e}"] for r in report.runs]
+    return write(panels, legend, f"trainlib parity against {report.baseline.name}", table, prefix)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m trainlib.report", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("run_dirs", nargs="+", metavar="RUN_DIR", help="run folders holding metrics.jsonl")
+    p.add_argument("--out", metavar="PREFIX", help="write PREFIX.png and PREFIX.html (default: RUN_DIR/report)")
+    a = p.parse_args(argv)
+    try:
+        written = report(a.run_dirs, a.out)
+    except ValueError as e:  # a missing or malformed metrics.jsonl
+        print(f"trainlib.report: error: {e}", file=sys.stderr)
+        return 2
+    print("\n".join(f"wrote {path}" for path in written))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
