@@ -238,7 +238,6 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
     from trainlib.config import ConfigError, load_job_config
     from trainlib.config.validate import resolve_local_batch_size, validate_job
     from trainlib.models.llama3 import flops_per_token, get_model_args
-    from trainlib.models.llama3.parallelize import uses_fsdp
     from trainlib.parallel import ParallelDims
     from trainlib.parallel import pp as pp_lib
 
@@ -276,7 +275,7 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
         block_params = sum(p.numel() for p in TransformerBlock(args).parameters())
     root_params = args.vocab_size * args.dim * (1 if args.tie_embeddings else 2) + args.dim
 
-    fsdp = uses_fsdp(dims, param_dtype)
+    fsdp = dims.uses_fsdp(param_dtype)
     n_params, built = _build_parallel(cfg, dims, args, param_dtype, counts, per_rank)
     stage_plans = []
     for pp_rank, (sids, layers, has_emb, has_out, st) in enumerate(built):
@@ -432,15 +431,15 @@ def _build_parallel(cfg, dims, args, param_dtype, counts, per_rank):
 
 def _parallel_states(cfg, dims, args, param_dtype, counts, per_rank):
     from trainlib.float8 import convert_float8
-    from trainlib.models.llama3 import Transformer, count_params, parallelize_llama
-    from trainlib.models.llama3.parallelize import uses_fsdp
+    from trainlib.models import count_params
+    from trainlib.models.llama3 import Transformer, parallelize_llama
     from trainlib.parallel import pp as pp_lib
 
     t, par = cfg.training, cfg.parallelism
     with torch.device("meta"):
         model = Transformer(args, rope_len=t.seq_len)
     n_params = count_params(model)
-    convert_float8(model, cfg.float8, fsdp=uses_fsdp(dims, param_dtype))
+    convert_float8(model, cfg.float8, fsdp=dims.uses_fsdp(param_dtype))
     reduce_dtype = t.reduce_dtype
     n_stages = dims.pp * per_rank
     starts = [sum(counts[:i]) for i in range(n_stages)]

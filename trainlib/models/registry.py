@@ -24,7 +24,6 @@ from typing import Any
 from torch import nn
 
 from trainlib.models import llama3
-from trainlib.models.llama3 import state_dict_adapter as llama3_state_dict_adapter
 
 
 @dataclass(frozen=True)
@@ -46,7 +45,7 @@ MODELS: dict[str, ModelSpec] = {
         model_cls=llama3.Transformer,
         parallelize=llama3.parallelize_llama,
         flops_per_token=llama3.flops_per_token,
-        state_dict_adapter=llama3_state_dict_adapter,
+        state_dict_adapter=llama3.state_dict_adapter,
     ),
 }
 

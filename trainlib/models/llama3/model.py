@@ -260,11 +260,6 @@ class Transformer(nn.Module):
             fill_param(p, self.param_init_spec(name), seed, name)
 
 
-def count_params(model: nn.Module) -> int:
-    """Parameters of `model`, a tied matrix once (global sizes for DTensors)."""
-    return sum(p.numel() for p in model.parameters())
-
-
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     """Training FLOPs per token (forward + backward): 6 per matmul weight plus
     the attention score and value matmuls (12 * layers * heads * head_dim *
