@@ -1,0 +1,5 @@
+import sys
+
+from trainlib.plan.cli import main
+
+sys.exit(main())
