@@ -1,10 +1,11 @@
 """Pipeline parallelism: split the model into stages by layers and run a
 torch.distributed.pipelining schedule over the `pp` mesh.
 
-A stage is a copy of the (meta-device) model with the blocks it does not own
-deleted and, except on the first/last stage, no embedding / final norm /
-output. Parameter names stay those of the whole model, so initialisation and
-checkpoints do not depend on the split. Each stage is then parallelized
+A stage is a module of the model's class holding only the blocks it owns
+(the meta-device model's own modules, shared, not copied) and, except on the
+first/last stage, no embedding / final norm / output. Parameter names stay
+those of the whole model, so initialisation and checkpoints do not depend on
+the split. Each stage is then parallelized
 (TP, FSDP, ...) like a whole model.
 
 Stage placement: with S stages per rank over P ranks there are P*S stages.
