@@ -21,12 +21,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainlib.build import build_model_parts
 from trainlib.checkpoint import Checkpointer
 from trainlib.config import ConfigError, JobConfig, load_job_config, save_config
 from trainlib.config.validate import resolve_local_batch_size, validate_job
 from trainlib.data import PackedDataLoader, build_dataloader, build_tokenizer
 from trainlib.distributed import DistInfo, destroy_distributed, init_distributed, set_collective_timeout
-from trainlib.build import build_model_parts
 from trainlib.float8 import float8_post_optimizer_step
 from trainlib.loss import count_targets, cross_entropy_sum
 from trainlib.metrics import MetricsLogger, setup_logging

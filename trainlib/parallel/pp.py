@@ -5,8 +5,7 @@ A stage is a module of the model's class holding only the blocks it owns
 (the meta-device model's own modules, shared, not copied) and, except on the
 first/last stage, no embedding / final norm / output. Parameter names stay
 those of the whole model, so initialisation and checkpoints do not depend on
-the split. Each stage is then parallelized
-(TP, FSDP, ...) like a whole model.
+the split. Each stage is then parallelized (TP, FSDP, ...) like a whole model.
 
 Stage placement: with S stages per rank over P ranks there are P*S stages.
 "Loop" placement puts stage i on rank i % P (GPipe, 1F1B with S=1;

@@ -72,18 +72,22 @@ class RankBuild:
     has_embedding: bool
     has_output: bool
     state: dict[str, int]  # state_bytes of its parts
+    block_params: int  # parameters of one of its blocks, unsharded (global DTensor sizes); 0 without blocks
 
 
 @dataclass
 class Build:
     n_params: int
-    block_params: int  # parameters of one block, unsharded (global DTensor sizes)
     fsdp: bool
     n_stages: int
     stages_per_rank: int
     n_microbatches: int
     ranks: list[RankBuild]
     groups: dict[str, list[list[int]]]  # every rank group of each axis (and "fsdp": dp_shard x cp)
+
+    @property
+    def block_params(self) -> int:
+        return max(r.block_params for r in self.ranks)  # a first or last stage may hold no block
 
 
 _BUILT: dict = {}  # build key -> Build; --suggest varies only AC on top of a layout
@@ -98,11 +102,11 @@ def build_on_fake_world(cfg, world_size: int) -> Build:
     key = (world_size, repr(cfg.model), t.seq_len, t.mixed_precision_param, t.mixed_precision_reduce,
            repr(cfg.parallelism), repr(cfg.float8))
     if key not in _BUILT:
-        first = _build_rank(cfg, world_size, rank=0)
-        ranks = [first[0]] + [_build_rank(cfg, world_size, rank)[0] for rank in first[2][1:]]
+        rank0, facts, pp_first_ranks = _build_rank(cfg, world_size, rank=0)
+        ranks = [rank0] + [_build_rank(cfg, world_size, rank)[0] for rank in pp_first_ranks[1:]]
         if len(_BUILT) > 64:
             _BUILT.clear()
-        _BUILT[key] = Build(ranks=ranks, **first[1])
+        _BUILT[key] = Build(ranks=ranks, **facts)
     return _BUILT[key]
 
 
@@ -125,16 +129,16 @@ def _build_rank(cfg, world_size: int, rank: int) -> tuple[RankBuild, dict, list[
         parts, pipe = built.parts, built.pipeline
         pp_rank = dims.mesh("pp").get_local_rank()
         stage_ids = [s.stage_index for s in pipe.stages] if pipe else [0]
-        block = next(b for part in parts for b in part.layers.values())
+        blocks = [b for part in parts for b in part.layers.values()]
         facts = dict(
-            n_params=built.n_params, block_params=sum(p.numel() for p in block.parameters()),
-            fsdp=any(isinstance(part, FSDPModule) for part in parts),
+            n_params=built.n_params, fsdp=any(isinstance(part, FSDPModule) for part in parts),
             n_stages=pipe.stages[0].num_stages if pipe else 1, stages_per_rank=len(stage_ids),
             n_microbatches=pipe.n_microbatches if pipe else 1,
             groups={**{a: dims.rank_groups(a) for a in dims.degrees()}, "fsdp": dims.rank_groups("dp_shard_cp")})
         rank_build = RankBuild(pp_rank, stage_ids, [int(i) for part in parts for i in part.layers],
                                any(part.tok_embeddings is not None for part in parts),
-                               any(part.output is not None for part in parts), state_bytes(parts))
+                               any(part.output is not None for part in parts), state_bytes(parts),
+                               sum(p.numel() for p in blocks[0].parameters()) if blocks else 0)
         return rank_build, facts, [int(r) for r in dims.mesh("pp").mesh.tolist()]
     finally:
         dist.destroy_process_group()
