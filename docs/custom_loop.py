@@ -7,24 +7,21 @@ Each part takes its own small config and can be used alone: swap the data,
 the optimizer or the model for your own.
 """
 
-import torch
 import torch.distributed as dist
 
 import trainlib
-from trainlib.models.llama3 import Transformer, get_model_args
 
 SEQ_LEN, GLOBAL_BATCH, STEPS = 128, 8, 20
 
 
 def main() -> list[float]:
-    info = trainlib.init_distributed(trainlib.CommConfig())
-    dims = trainlib.ParallelDims(dp_shard=-1, world_size=info.world_size)
+    cfg = trainlib.load_job_config(None, [f"--training.seq_len={SEQ_LEN}"])  # or a recipe: the debug model here
+    info = trainlib.init_distributed(cfg.comm)
+    dims = trainlib.ParallelDims.from_config(cfg.parallelism, info.world_size)  # dp_shard=-1: FSDP over all ranks
     dims.build_mesh(info.device.type)
 
-    with torch.device("meta"):  # no memory until the model is sharded
-        model = Transformer(get_model_args("debug"), rope_len=SEQ_LEN)
-    if dims.fsdp_enabled:
-        trainlib.apply_fsdp(model, dims.fsdp_mesh())
+    # The job's own build: meta device, float8, pipeline split, parallelize (no memory until sharded).
+    (model,) = trainlib.build_model_parts(cfg, dims, info.device).parts
     trainlib.init_model_weights(model, seed=0, device=info.device)
 
     optimizer = trainlib.build_optimizer([model], trainlib.OptimizerConfig(lr=3e-3))

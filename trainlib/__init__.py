@@ -3,7 +3,8 @@
 The parts, each usable alone (see docs/custom_loop.py):
   trainlib.config    JobConfig, load_job_config, strict TOML recipes
   trainlib.parallel  ParallelDims (the mesh), apply_fsdp, init_model_weights, clip_grad_norm_
-  trainlib.models    llama3.Transformer, flavors, parallelize_llama
+  trainlib.build     build_model_parts: meta build -> float8 -> pipeline split -> parallelize
+  trainlib.models    the registry (model.name -> family), llama3.Transformer, flavors, parallelize_llama
   trainlib.optim     build_optimizer, build_lr_scheduler
   trainlib.data      tokenizers, build_dataloader
   trainlib.metrics   MetricsLogger
@@ -12,6 +13,7 @@ The parts, each usable alone (see docs/custom_loop.py):
 
 __version__ = "0.1.0"
 
+from trainlib.build import ModelParts, build_model_parts  # noqa: E402
 from trainlib.config import ConfigError, JobConfig, load_job_config  # noqa: E402
 from trainlib.data import DataConfig, TokenizerConfig, build_dataloader, build_tokenizer  # noqa: E402
 from trainlib.distributed import CommConfig, init_distributed  # noqa: E402
@@ -23,8 +25,8 @@ from trainlib.parallel import ParallelDims, apply_fsdp, clip_grad_norm_, init_mo
 
 __all__ = [
     "CommConfig", "ConfigError", "DataConfig", "JobConfig", "LRSchedulerConfig", "MetricsConfig",
-    "MetricsLogger", "ModelArgs", "OptimizerConfig", "ParallelDims", "TokenizerConfig", "Transformer",
-    "apply_fsdp", "build_dataloader", "build_lr_scheduler", "build_optimizer", "build_tokenizer",
+    "MetricsLogger", "ModelArgs", "ModelParts", "OptimizerConfig", "ParallelDims", "TokenizerConfig", "Transformer",
+    "apply_fsdp", "build_dataloader", "build_model_parts", "build_lr_scheduler", "build_optimizer", "build_tokenizer",
     "clip_grad_norm_", "count_targets", "cross_entropy_sum", "get_model_args", "init_distributed",
     "init_model_weights", "load_job_config", "parallelize_llama",
 ]

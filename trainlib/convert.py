@@ -30,9 +30,9 @@ def _args_from_run_config(ckpt_dir: Path) -> ModelArgs | None:
     if not cfg_path.is_file():
         return None
     from trainlib.config import load_job_config
+    from trainlib.models.registry import model_args
 
-    cfg = load_job_config(str(cfg_path))
-    return get_model_args(cfg.model.flavor, n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size)
+    return model_args(load_job_config(str(cfg_path)).model)
 
 
 def main(argv: list[str] | None = None) -> int:

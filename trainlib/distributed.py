@@ -99,6 +99,8 @@ def set_collective_timeout(seconds: float) -> None:
     timeout = timedelta(seconds=seconds)
     groups = list(dist.distributed_c10d._world.pg_map.keys())
     for group in groups:
+        if dist.get_backend(group) == dist.Backend.FAKE:  # size-1 axes (ParallelDims.build_mesh): never wait
+            continue
         try:
             dist.distributed_c10d._set_pg_timeout(timeout, group)
         except (ValueError, RuntimeError, AssertionError) as e:  # e.g. a group this rank is not in

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from trainlib.hardware import gpu_of_device
+
 logger = logging.getLogger("trainlib")
 
 
@@ -40,28 +42,12 @@ class MetricsConfig:
             raise ValueError(f"metrics.log_freq must be >= 1, got {self.log_freq}")
 
 
-# Dense bf16 tensor-core peaks (FLOP/s) from vendor datasheets, without
-# sparsity. MFU is always reported against the bf16 peak, also for float8 runs,
-# so that numbers stay comparable across precisions.
-_PEAK_BF16 = {
-    "H200": 989.4e12,
-    "H100 PCIe": 756e12,
-    "H100": 989.4e12,
-    "B200": 2250e12,
-    "A100": 312e12,
-    "L40S": 362e12,
-    "A10G": 125e12,
-}
-
-
 def device_peak_flops(device: torch.device) -> float | None:
+    """Dense bf16 peak FLOP/s of `device` from trainlib.hardware's GPU table (None: CPU or unknown GPU)."""
     if device.type != "cuda":
         return None
-    name = torch.cuda.get_device_name(device)
-    for key, peak in _PEAK_BF16.items():
-        if key in name:
-            return peak
-    return None
+    gpu = gpu_of_device(torch.cuda.get_device_name(device))
+    return gpu.bf16_tflops * 1e12 if gpu else None
 
 
 def peak_memory_gib(device: torch.device) -> float:

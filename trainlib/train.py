@@ -1,8 +1,9 @@
 """The main job: `torchrun --nproc-per-node=N -m trainlib.train --recipe R [--a.b=v ...]`.
 
 `python -m trainlib.train` without torchrun runs a world of one.
-Setup order: meta-device build, parallelize, materialise + init weights,
-optimizer, data, checkpoint load (resume is the default when checkpoints are
+Setup order: meta-device build, converters, pipeline split and parallelize
+(`trainlib.build.build_model_parts`), materialise + init weights, optimizer,
+data, checkpoint load (resume is the default when checkpoints are
 enabled); then the loop, which reads top to bottom.
 """
 
@@ -20,21 +21,20 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainlib.build import build_model_parts
 from trainlib.checkpoint import Checkpointer, ModelState, OptimizerState, TrainState
 from trainlib.config import ConfigError, JobConfig, load_job_config, save_config
 from trainlib.config.validate import resolve_local_batch_size, validate_job
 from trainlib.data import PackedDataLoader, build_dataloader, build_tokenizer
 from trainlib.distributed import DistInfo, destroy_distributed, init_distributed, set_collective_timeout
-from trainlib.float8 import check_float8_hardware, convert_float8, float8_post_optimizer_step
+from trainlib.float8 import float8_post_optimizer_step
 from trainlib.loss import count_targets, cross_entropy_sum
 from trainlib.metrics import MetricsLogger, setup_logging
-from trainlib.models.llama3 import Transformer, count_params, flops_per_token, get_model_args, parallelize_llama
-from trainlib.models.llama3.parallelize import uses_fsdp
+from trainlib.models.registry import get_model_spec, model_args
 from trainlib.optim import build_lr_scheduler, build_optimizer
 from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
-from trainlib.parallel.pp import Pipeline, build_pipeline
+from trainlib.parallel.pp import Pipeline
 from trainlib.parallel.tp import loss_context
-from trainlib.parallel.compile import maybe_compile_loss
 from trainlib.parallel.cp import shard_batch
 
 logger = logging.getLogger("trainlib")
@@ -51,7 +51,6 @@ class Job:
     scheduler: torch.optim.lr_scheduler.LRScheduler
     loader: PackedDataLoader
     metrics: MetricsLogger
-    local_batch_size: int
     grad_accum: int
     run_dir: Path
     pipeline: Pipeline | None = None  # set under pipeline parallelism
@@ -66,8 +65,7 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     t = cfg.training
     dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
     tokenizer = build_tokenizer(cfg.tokenizer)
-    model_args = get_model_args(cfg.model.flavor, n_layers=cfg.model.n_layers, vocab_size=cfg.model.vocab_size)
-    validate_job(cfg, dims, model_args, tokenizer.vocab_size)
+    validate_job(cfg, dims, model_args(cfg.model), tokenizer.vocab_size)
     local_bs, grad_accum = resolve_local_batch_size(cfg, dims)
     dims.build_mesh(info.device.type)
 
@@ -76,47 +74,32 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
         run_dir.mkdir(parents=True, exist_ok=True)
         save_config(cfg, run_dir / "config.toml")
 
-    with torch.device("meta"):
-        model = Transformer(model_args, rope_len=t.seq_len)
-    n_params = count_params(model)
-    # Converters swap modules before parallelize_llama, so TP/AC/compile/FSDP wrap the swapped ones.
-    check_float8_hardware(cfg.float8, info.device)
-    convert_float8(model, cfg.float8, fsdp=uses_fsdp(dims, t.param_dtype))
-
-    def parallelize(m: nn.Module) -> nn.Module:
-        return parallelize_llama(m, dims, cfg.parallelism, param_dtype=t.param_dtype,
-                                 reduce_dtype=t.reduce_dtype,
-                                 ac=cfg.activation_checkpoint, compile=cfg.compile)
-
-    loss_fn = maybe_compile_loss(cross_entropy_sum, cfg.compile)
-    pipeline = None
-    if dims.pp_enabled:  # this rank's stages, each parallelized like a whole model
-        pipeline = build_pipeline(model, dims, cfg.parallelism, info.device, parallelize, loss_fn)
-    model_parts = pipeline.model_parts if pipeline else [parallelize(model)]
-    for part in model_parts:
+    built = build_model_parts(cfg, dims, info.device)  # meta build, float8, PP split, parallelize
+    for part in built.parts:
         init_model_weights(part, t.seed, info.device)
         part.train()
 
-    optimizer = build_optimizer(model_parts, cfg.optimizer)
+    optimizer = build_optimizer(built.parts, cfg.optimizer)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     dp_rank, dp_world = dims.dp_coords()
     loader = build_dataloader(cfg.data, tokenizer, t.seq_len, local_bs, dp_rank, dp_world, t.seed)
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, {
-        "model": ModelState(model_parts), "optimizer": OptimizerState(model_parts, optimizer),
+        "model": ModelState(built.parts), "optimizer": OptimizerState(built.parts, optimizer),
         "scheduler": scheduler, "dataloader": loader,
-        "trainer": TrainState(tokens_per_step=t.global_batch_size * t.seq_len, model_args=model_args)})
+        "trainer": TrainState(tokens_per_step=t.global_batch_size * t.seq_len, model_args=built.model_args)})
     start_step = checkpointer.load()
+    flops = get_model_spec(cfg.model.name).flops_per_token(built.model_args, t.seq_len)
     metrics = MetricsLogger(cfg.metrics, run_dir, rank=info.rank, device=info.device, append=start_step > 0,
-                            flops_per_token=flops_per_token(model_args, t.seq_len), world_size=info.world_size,
-                            float8=cfg.float8.enable)
+                            flops_per_token=flops, world_size=info.world_size, float8=cfg.float8.enable)
     logger.info(
         f"world {info.world_size} on {info.device.type} | "
         + " ".join(f"{k}={v}" for k, v in dims.degrees().items())
-        + f" | model {cfg.model.flavor} {n_params / 1e6:.2f}M params | global batch {t.global_batch_size} x "
-        f"{t.seq_len} tokens = local {local_bs} x dp {dims.dp} x accum {grad_accum} | run dir {run_dir}"
+        + f" | model {cfg.model.name} {cfg.model.flavor} {built.n_params / 1e6:.2f}M params | global batch "
+        f"{t.global_batch_size} x {t.seq_len} tokens = local {local_bs} x dp {dims.dp} x accum {grad_accum} | "
+        f"run dir {run_dir}"
     )
-    return Job(cfg, info, dims, model_parts, optimizer, scheduler, loader, metrics, local_bs, grad_accum, run_dir,
-               pipeline, loss_fn, checkpointer, start_step)
+    return Job(cfg, info, dims, built.parts, optimizer, scheduler, loader, metrics, grad_accum, run_dir,
+               built.pipeline, built.loss_fn, checkpointer, start_step)
 
 
 def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tensor) -> torch.Tensor:

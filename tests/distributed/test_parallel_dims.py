@@ -1,4 +1,6 @@
 import pytest
+import torch
+import torch.distributed as dist
 
 from tests.helpers import spawn
 from trainlib.parallel import ParallelDims
@@ -13,6 +15,14 @@ def _check_mesh(rank, world):
     assert dims.fsdp_mesh().ndim == 1
     assert dims.dp_coords() == (rank // 2, 2)
     assert dims.mesh("cp").get_local_rank() == rank % 2
+    # Size-1 axes get fake process groups, the others real ones.
+    backend = {name: dist.get_backend(dims.mesh(name).get_group())
+               for name in ("pp", "dp_replicate", "tp", "dp_shard", "cp", "dp_cp")}
+    assert backend == {"pp": "fake", "dp_replicate": "fake", "tp": "fake", "dp_shard": "gloo", "cp": "gloo",
+                       "dp_cp": "gloo"}
+    loss = torch.tensor(float(rank + 1))
+    dist.all_reduce(loss, group=dims.mesh("tp").get_group())  # a one-rank sum: unchanged
+    assert loss.item() == rank + 1
     with pytest.raises(KeyError, match="available"):
         dims.mesh("ep")
     with pytest.raises(RuntimeError, match="already"):

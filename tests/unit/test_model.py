@@ -3,11 +3,11 @@ import math
 import pytest
 import torch
 
+from trainlib.models import count_params
 from trainlib.params import canonical_name
 from trainlib.models.llama3 import (
     FLAVORS,
     Transformer,
-    count_params,
     flops_per_token,
     get_model_args,
 )

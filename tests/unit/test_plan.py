@@ -1,6 +1,6 @@
-"""The planner (trainlib.plan): exact state bytes against a real run, activation
-estimate against measured saved tensors, TorchTitan's published H100 memory,
-the job's own errors, and the CLI."""
+"""The planner (trainlib.plan): activation estimate against measured saved
+tensors, TorchTitan's published H100 memory row by row, the job's own errors,
+and the CLI. Exact state bytes against a real run: tests/distributed/test_plan.py."""
 
 import json
 
@@ -41,16 +41,19 @@ def _saved_bytes(args, mode, batch, seq, dtype):
 
 @pytest.mark.parametrize("mode", ["none", "full"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_activation_estimate_within_25_percent(mode, dtype):
+def test_activation_estimate_equals_saved_tensors(mode, dtype):
     args = get_model_args("debug", n_layers=3)
     batch, seq = 2, 128
     measured = _saved_bytes(args, mode, batch, seq, dtype)
     elem = torch.finfo(dtype).bits // 8
     est = args.n_layers * batch * seq * block_activation_bytes_per_token(args, tp=1, sp=False, elem=elem, mode=mode)
-    assert abs(est - measured) <= 0.25 * measured, (est, measured)
+    # The one thing not modelled: in bf16 without AC, RMSNorm saves an fp32 copy of its
+    # weight (2 norms x dim x 4 bytes per block), which does not grow with the tokens.
+    weight_copies = 2 * args.dim * 4 * args.n_layers if (dtype == torch.bfloat16 and mode == "none") else 0
+    assert measured - est == weight_copies, (est, measured)
 
 
-def test_plan_activations_match_whole_model_forward():
+def test_plan_activations_equal_a_whole_model_forward():
     """The planner's whole-stage activation figure (blocks, token ids, final norm,
     output input) against one measured forward of the debug model, fp32."""
     plan = make_plan(DEBUG, 1, overrides=["training.global_batch_size=4", "training.seq_len=128"])
@@ -65,33 +68,86 @@ def test_plan_activations_match_whole_model_forward():
 
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         model(torch.randint(0, args.vocab_size, (4, 128)))
-    measured = sum(v for k, v in seen.items() if k not in skip)
-    est = plan.stages[0].memory["activations"]
-    assert abs(est - measured) <= 0.25 * measured, (est, measured)
+    assert plan.stages[0].memory["activations"] == sum(v for k, v in seen.items() if k not in skip)
 
 
-# (recipe, world, overrides matching the published run, published GiB range)
-PUBLISHED = {
-    # Table 1: FSDP 8, local batch 2, seq 8192, selective (op) AC. TorchTitan's op
-    # policy saves every other matmul output: our every_other_mm.
-    "8b": ("llama3_8b.toml", 8, ["activation_checkpoint.mode=selective_op",
-                                 "activation_checkpoint.selective_op_policy=every_other_mm"], (77.0, 82.4)),
-    # Table 4: FSDP 32 x TP 8, local batch 16, full AC.
-    "70b": ("llama3_70b.toml", 256, ["activation_checkpoint.mode=full"], (67.6, 71.9)),
-    # Table 5: FSDP 8 x TP 8 x PP 8, local batch 32, full AC, micro-batch 1
-    # (TorchTitan's default), 1F1B or Interleaved 1F1B.
-    "405b": ("llama3_405b.toml", 512, ["activation_checkpoint.mode=full", "parallelism.pp_microbatches=32"],
-             (72.7, 82.5)),
+# TorchTitan's published H100 memory, row by row (pytorch/torchtitan
+# benchmarks/llama3_h100_202412_torchtitan.md, torchtitan 9dec370): the
+# largest rank's peak, GiB. Each row is planned with our recipe set to the
+# published layout, batch, sequence and AC; compile, float8 and async TP are
+# set where the row used them, but the planner models activations as bf16
+# eager, so rows that differ only by those get the same prediction.
+# TorchTitan's "selective" AC (op policy) saves every other matmul: our
+# every_other_mm. Its pipeline default at that commit was one micro-batch per
+# stage: 1F1B 8 micro-batches of 4 sequences, Interleaved 1F1B 16 of 2.
+TOLERANCE = 0.12  # relative, per row; the largest measured error is 10.4% (Table 6, CP 8)
+SEL = ["activation_checkpoint.mode=selective_op", "activation_checkpoint.selective_op_policy=every_other_mm"]
+FULL, COMPILE, FLOAT8 = ["activation_checkpoint.mode=full"], ["compile.enable=true"], ["float8.enable=true"]
+EAGER = ["compile.enable=false"]
+ONE_F_ONE_B = ["parallelism.pp_schedule=1F1B", "parallelism.pp_stages_per_rank=1", "parallelism.pp_microbatches=8"]
+INTERLEAVED = ["parallelism.pp_schedule=Interleaved1F1B", "parallelism.pp_stages_per_rank=2",
+               "parallelism.pp_microbatches=16"]
+
+
+def _cp_row(recipe, world, cp, seq, local_bs, extra):
+    dp = world // cp // (64 if "405b" in recipe else 1)
+    return (recipe, world, FULL + COMPILE + FLOAT8 + extra + [
+        f"parallelism.cp={cp}", f"training.seq_len={seq}", f"training.local_batch_size={local_bs}",
+        f"training.global_batch_size={dp * local_bs}"])
+
+
+PUBLISHED = {  # name: (recipe, world, overrides, published GiB)
+    # Table 1: 8B, FSDP 8, local batch 2, global 16, seq 8192, selective AC.
+    "t1_8b_fsdp8": ("llama3_8b.toml", 8, SEL + EAGER, 82.4),
+    "t1_8b_fsdp8_compile": ("llama3_8b.toml", 8, SEL + COMPILE, 77.0),
+    "t1_8b_fsdp8_compile_float8": ("llama3_8b.toml", 8, SEL + COMPILE + FLOAT8, 76.8),
+    # Table 4: 70B, FSDP 32 x TP 8, local batch 16, full AC, compile + float8 (async TP: CUDA only, not modelled).
+    "t4_70b_2d": ("llama3_70b.toml", 256, FULL + COMPILE + FLOAT8, 71.9),
+    "t4_70b_2d_async_tp": ("llama3_70b.toml", 256, FULL + COMPILE + FLOAT8, 67.6),
+    # Table 5: 405B, FSDP 8 x TP 8 x PP 8, local batch 32, full AC, compile + float8 + async TP.
+    "t5_405b_1f1b": ("llama3_405b.toml", 512, FULL + COMPILE + FLOAT8 + ONE_F_ONE_B, 82.5),
+    "t5_405b_interleaved_1f1b": ("llama3_405b.toml", 512, FULL + COMPILE + FLOAT8 + INTERLEAVED, 72.7),
+}
+SLOW_PUBLISHED = {
+    # Table 3: 8B, FSDP 128, local batch 2, global 256, selective AC.
+    "t3_8b_fsdp128": ("llama3_8b.toml", 128, SEL + EAGER + ["training.global_batch_size=256"], 67.0),
+    "t3_8b_fsdp128_compile": ("llama3_8b.toml", 128, SEL + COMPILE + ["training.global_batch_size=256"], 62.0),
+    "t3_8b_fsdp128_compile_float8": ("llama3_8b.toml", 128,
+                                     SEL + COMPILE + FLOAT8 + ["training.global_batch_size=256"], 61.8),
+    # Table 2: 8B on 8 GPUs, FSDP x CP, local batch 1, full AC, compile + float8.
+    **{f"t2_8b_cp{cp}": (*_cp_row("llama3_8b.toml", 8, cp, seq, 1, []), pub)
+       for cp, seq, pub in ((1, 32768, 83.9), (2, 65536, 84.2), (4, 131072, 84.0), (8, 262144, 84.5))},
+    # Table 6: 405B, TP 8 x PP 8 x FSDP x CP, local batch 8, full AC, 1F1B, compile + float8 + async TP.
+    **{f"t6_405b_cp{cp}": (*_cp_row("llama3_405b.toml", 512, cp, seq, 8, ONE_F_ONE_B), pub)
+       for cp, seq, pub in ((1, 32768, 75.3), (2, 65536, 75.9), (4, 131072, 77.1), (8, 262144, 84.9))},
 }
 
-@pytest.mark.parametrize("name", list(PUBLISHED))
-def test_torchtitan_published_memory_within_20_percent(name):
-    recipe, world, overrides, (lo, hi) = PUBLISHED[name]
+
+def _check_published(name, table):
+    recipe, world, overrides, published = table[name]
     plan = make_plan(str(RECIPES / recipe), world, "h100", overrides)
-    mid = (lo + hi) / 2
     got = plan.max_total_bytes / GiB
-    assert abs(got - mid) <= 0.2 * mid, f"{name}: predicted {got:.1f} GiB, published {lo}-{hi} GiB"
-    assert plan.world_size == world and plan.degrees["dp_shard"] * plan.degrees["tp"] * plan.degrees["pp"] == world
+    assert abs(got - published) <= TOLERANCE * published, f"{name}: predicted {got:.1f} GiB, published {published}"
+
+
+@pytest.mark.parametrize("name", list(PUBLISHED))
+def test_torchtitan_published_memory_row_by_row(name):
+    _check_published(name, PUBLISHED)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(SLOW_PUBLISHED))
+def test_torchtitan_published_memory_row_by_row_cp_and_128_gpus(name):
+    _check_published(name, SLOW_PUBLISHED)
+
+
+def test_pipeline_ranks_are_read_from_the_build():
+    """Stage placement and layer split come from the job's pipeline: uneven
+    counts and the V placement (first and last stage on rank 0)."""
+    plan = make_plan(DEBUG, 2, overrides=["parallelism.pp=2", "parallelism.pp_layers_per_stage=[1, 3]"])
+    assert [s.layers for s in plan.stages] == [[0], [1, 2, 3]] and plan.stages[0].has_embedding
+    v = make_plan(DEBUG, 2, overrides=["parallelism.pp=2", "parallelism.pp_schedule=ZBVZeroBubble"])
+    assert [s.stages for s in v.stages] == [[0, 3], [1, 2]] and v.stages[0].has_output and v.stages[0].has_embedding
 
 
 def test_gpu_memory_sets_the_warning():
@@ -124,13 +180,18 @@ def test_bad_layouts_give_the_jobs_one_line_errors(world, overrides, words):
 def test_cli_table_json_and_error(capsys):
     assert main(["--recipe", DEBUG, "--world-size", "4", "--set", "parallelism.tp=2"]) == 0
     out = capsys.readouterr().out
-    assert "memory per rank" in out and "tp=" in out and "predicted step" in out
-    assert main(["--recipe", DEBUG, "--world-size", "2", "--json"]) == 0
+    assert "memory per rank" in out and "tp=2" in out and "predicted step" in out
+    # The shared grammar: --section.key=value and --section.key value, like trainlib.train.
+    assert main(["--recipe", DEBUG, "--world-size", "4", "--parallelism.tp", "2", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
-    assert data["degrees"]["dp_shard"] == 2 and data["stages"][0]["memory"]["params"] > 0
-    assert main(["--recipe", DEBUG, "--world-size", "3", "--set", "parallelism.tp=2"]) == 2
-    err = capsys.readouterr().err
-    assert err.startswith("trainlib.plan: error:") and err.count("\n") == 1
+    assert data["degrees"]["tp"] == 2 and data["degrees"]["dp_shard"] == 2 and data["stages"][0]["memory"]["params"] > 0
+    for argv in (["--recipe", DEBUG, "--world-size", "3", "--set", "parallelism.tp=2"],
+                 ["--recipe", DEBUG, "--world-size", "2", "--parallelism.tpp=2"],
+                 ["--recipe", DEBUG],
+                 ["--recipe", DEBUG, "--world-size", "2", "--gpu", "v100"]):
+        assert main(argv) == 2, argv
+        err = capsys.readouterr().err
+        assert err.startswith("trainlib.plan: error:") and err.count("\n") == 1, err
 
 
 def test_suggest_ranks_fitting_layouts_by_step_time():

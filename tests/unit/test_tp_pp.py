@@ -7,9 +7,9 @@ from tests.helpers import RECIPES
 from trainlib.config import ConfigError, load_job_config
 from trainlib.config.validate import validate_job
 from trainlib.models.llama3 import Transformer, get_model_args
-from trainlib.models.llama3.parallelize import _reshard_after_forward
 from trainlib.parallel import ParallelDims
 from trainlib.parallel import pp as pp_lib
+from trainlib.parallel.fsdp import reshard_after_forward
 
 DEBUG = str(RECIPES / "debug.toml")
 
@@ -84,7 +84,7 @@ def test_zero_bubble_refuses_reshard_after_forward(schedule):
                   "--parallelism.fsdp_reshard_after_forward=always")
     cfg, dims = _validate(4, "--parallelism.pp=2", "--parallelism.dp_shard=2",
                           f"--parallelism.pp_schedule={schedule}")
-    assert _reshard_after_forward(cfg.parallelism, dims) is False
+    assert reshard_after_forward(cfg.parallelism.fsdp_reshard_after_forward, dims.pp_enabled) is False
     # Non-zero-bubble schedules may reshard: they are exact either way.
     _validate(4, "--parallelism.pp=2", "--parallelism.dp_shard=2", "--parallelism.fsdp_reshard_after_forward=always")
 

@@ -14,6 +14,7 @@ from trainlib.data import DataConfig, TokenizerConfig
 from trainlib.distributed import CommConfig
 from trainlib.metrics import MetricsConfig
 from trainlib.float8 import Float8Config
+from trainlib.models.registry import MODELS, model_args
 from trainlib.optim import LRSchedulerConfig, OptimizerConfig
 from trainlib.parallel.ac import ActivationCheckpointConfig
 from trainlib.parallel.compile import CompileConfig
@@ -29,12 +30,17 @@ class JobSection:
 
 @dataclass
 class ModelConfig:
-    name: Literal["llama3"] = "llama3"
-    flavor: str = field(default="debug", metadata={"help": "debug, llama3.2_1b, llama3.2_3b, llama3.1_8b, llama3.1_70b, llama3.1_405b"})
+    name: str = field(default="llama3", metadata={"help": "model family (trainlib.models.registry): "
+                                                          + ", ".join(MODELS)})
+    flavor: str = field(default="debug", metadata={"help": "; ".join(
+        f"{spec.name}: {', '.join(spec.flavors)}" for spec in MODELS.values())})
     # Shape overrides on top of the flavor, for scaled-down experiments and
     # benchmarks (e.g. 8B layers but fewer of them on one GPU).
     n_layers: int | None = None
     vocab_size: int | None = None
+
+    def __post_init__(self) -> None:
+        model_args(self)  # an unknown name or flavor fails at load, naming the closest valid one
 
 
 @dataclass

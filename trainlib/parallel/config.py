@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from trainlib.parallel.parallel_dims import AXES, check_degrees
+
 
 @dataclass
 class ParallelismConfig:
@@ -32,11 +34,7 @@ class ParallelismConfig:
     cp_load_balance: bool = True
 
     def __post_init__(self) -> None:
-        for key in ("dp_replicate", "cp", "tp", "pp"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"parallelism.{key} must be >= 1, got {getattr(self, key)}")
+        check_degrees({axis: getattr(self, axis) for axis in AXES})
         for key in ("pp_microbatches", "pp_stages_per_rank"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ValueError(f"parallelism.{key} must be >= 1 (or unset for the default), got {getattr(self, key)}")
-        if self.dp_shard < 1 and self.dp_shard != -1:
-            raise ValueError(f"parallelism.dp_shard must be >= 1 or -1 (use the remaining ranks), got {self.dp_shard}")

@@ -43,3 +43,12 @@ def apply_fsdp(
             # PREMUL_SUM, which gloo does not implement.
             module.set_force_sum_reduction_for_comms(True)
     return model
+
+
+def reshard_after_forward(policy: str, pp_enabled: bool) -> bool:
+    """`parallelism.fsdp_reshard_after_forward` ("default", "always", "never") for blocks."""
+    if policy == "default":
+        # Under PP every micro-batch would re-gather the same parameters, so
+        # keep them unsharded between forward and backward.
+        return not pp_enabled
+    return policy == "always"

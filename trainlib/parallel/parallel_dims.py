@@ -22,10 +22,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
 import torch.distributed as dist
+import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend (see build_mesh)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+
+
+def check_degrees(degrees: dict[str, int]) -> None:
+    """Each degree is an integer >= 1 (dp_shard may be -1: all remaining ranks).
+    Also run when a [parallelism] section loads, before the world size is known."""
+    for name, value in degrees.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ValueError(f"parallelism.{name} must be an integer, got {value!r}")
+        if value < 1 and not (name == "dp_shard" and value == -1):
+            hint = " (or -1 for 'all remaining ranks')" if name == "dp_shard" else ""
+            raise ValueError(f"parallelism.{name} must be >= 1{hint}, got {value}")
 
 
 @dataclass
@@ -37,15 +50,10 @@ class ParallelDims:
     pp: int = 1
     world_size: int = 1
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
+    _view_dim: dict[str, tuple[DeviceMesh, int]] = field(default_factory=dict, init=False, repr=False)
 
     def __post_init__(self) -> None:
-        for name in AXES:
-            value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise ValueError(f"parallelism.{name} must be an integer, got {value!r}")
-            if value < 1 and not (name == "dp_shard" and value == -1):
-                hint = " (or -1 for 'all remaining ranks')" if name == "dp_shard" else ""
-                raise ValueError(f"parallelism.{name} must be >= 1{hint}, got {value}")
+        check_degrees(self.degrees())
         others = self.dp_replicate * self.cp * self.tp * self.pp
         if self.dp_shard == -1:
             if self.world_size % others:
@@ -94,6 +102,13 @@ class ParallelDims:
     def cp_enabled(self) -> bool:
         return self.cp > 1
 
+    def uses_fsdp(self, param_dtype: torch.dtype) -> bool:
+        """Whether FSDP wraps the model: whenever more than one rank holds
+        distinct tokens, and also on one rank when a lower parameter precision
+        is asked, since FSDP's mixed-precision policy is the one place that
+        casts parameters."""
+        return self.dp_replicate * self.dp_shard * self.cp > 1 or param_dtype != torch.float32
+
     def degrees(self) -> dict[str, int]:
         return {name: getattr(self, name) for name in AXES}
 
@@ -119,11 +134,19 @@ class ParallelDims:
             ((pp, dpr * dps * cp, tp), ("pp", "dp_cp", "tp")),
         ]
         for shape, names in views:
-            view = world._unflatten(0, shape, names)
+            # A size-1 axis gets a fake process group (torch's "fake" backend, which
+            # DeviceMesh offers for disabled dims): no real communicator or gloo
+            # pair per rank and axis. Every collective trainlib or torch runs on a
+            # one-rank group stays correct on it: in-place ones (all-reduce, the
+            # loss and token counts) are no-ops, and a one-rank all-gather or
+            # reduce-scatter copies its input (FSDP skips them anyway).
+            fake = {name: "fake" for name, size in zip(names, shape) if size == 1}
+            view = world._unflatten(0, shape, names, backend_override=fake)
             if names == AXES:
                 self._meshes["world"] = view
-            for name in names:
+            for i, name in enumerate(names):
                 self._meshes.setdefault(name, view[name])
+                self._view_dim.setdefault(name, (view, i))
             if "dp_shard_cp" in names:
                 self._meshes["fsdp"] = view["dp_replicate", "dp_shard_cp"]
         return self._meshes["world"]
@@ -135,9 +158,12 @@ class ParallelDims:
             raise KeyError(f"no mesh named '{name}'; available: {', '.join(sorted(self._meshes))}")
         return self._meshes[name]
 
-    @property
-    def world_mesh(self) -> DeviceMesh:
-        return self.mesh("world")
+    def rank_groups(self, name: str) -> list[list[int]]:
+        """Every group of global ranks along the 1-D mesh `name`, not only this
+        rank's (e.g. to see which groups cross a node boundary)."""
+        self.mesh(name)
+        view, dim = self._view_dim[name]
+        return view.mesh.movedim(dim, -1).reshape(-1, view.size(dim)).tolist()
 
     def fsdp_mesh(self) -> DeviceMesh:
         """1-D mesh for plain FSDP, 2-D (replicate, shard) for HSDP."""

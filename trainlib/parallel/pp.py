@@ -1,11 +1,11 @@
 """Pipeline parallelism: split the model into stages by layers and run a
 torch.distributed.pipelining schedule over the `pp` mesh.
 
-A stage is a copy of the (meta-device) model with the blocks it does not own
-deleted and, except on the first/last stage, no embedding / final norm /
-output. Parameter names stay those of the whole model, so initialisation and
-checkpoints do not depend on the split. Each stage is then parallelized
-(TP, FSDP, ...) like a whole model.
+A stage is a module of the model's class holding only the blocks it owns
+(the meta-device model's own modules, shared, not copied) and, except on the
+first/last stage, no embedding / final norm / output. Parameter names stay
+those of the whole model, so initialisation and checkpoints do not depend on
+the split. Each stage is then parallelized (TP, FSDP, ...) like a whole model.
 
 Stage placement: with S stages per rank over P ranks there are P*S stages.
 "Loop" placement puts stage i on rank i % P (GPipe, 1F1B with S=1;
@@ -87,18 +87,21 @@ def stage_ids(pp_rank: int, pp: int, n_per_rank: int, schedule: str) -> list[int
 
 
 def split_stage(model: nn.Module, first_layer: int, n_layers: int, is_first: bool, is_last: bool) -> nn.Module:
-    """A copy of `model` (on meta) that keeps only blocks first_layer .. first_layer+n_layers-1."""
-    part = copy.deepcopy(model)
-    keep = {str(i) for i in range(first_layer, first_layer + n_layers)}
-    for name in list(part.layers.keys()):
-        if name not in keep:
-            del part.layers[name]
-    if not is_first:
-        part.tok_embeddings = None
-    if not is_last:
-        part.norm = None
-        part.output = None
-    return part
+    """The stage of `model` that owns blocks first_layer .. first_layer+n_layers-1
+    (and the embedding / final norm + output on the first / last stage).
+
+    A new module object of the model's class whose children are `model`'s own
+    modules, shared, not copied: each block, the embedding, norm and output
+    belong to exactly one stage, so stages never share a module, and nothing
+    the stage does not own is copied first and deleted after. Only the shell
+    (its attributes and buffers, e.g. the RoPE table) is copied."""
+    keep = nn.ModuleDict({str(i): model.layers[str(i)] for i in range(first_layer, first_layer + n_layers)})
+    owned = {"layers": keep, "tok_embeddings": model.tok_embeddings if is_first else None,
+             "norm": model.norm if is_last else None, "output": model.output if is_last else None}
+    # deepcopy consults `memo` before copying an object: the children map to
+    # themselves (shared) or to None (not on this stage).
+    memo = {id(getattr(model, name)): module for name, module in owned.items()}
+    return copy.deepcopy(model, memo)
 
 
 @dataclass
@@ -110,6 +113,7 @@ class Pipeline:
     model_parts: list[nn.Module]
     has_first: bool
     has_last: bool
+    n_microbatches: int  # schedule runs per local micro-batch of the loop
     criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
     _n_targets: torch.Tensor | None = field(default=None, repr=False)
 
@@ -159,7 +163,7 @@ def pipeline_llama(
         parts.append(part)
         stages.append(PipelineStage(part, sid, n_stages, device, group=pp_mesh.get_group()))
     pipe = Pipeline(None, stages, parts, has_first=any(s.is_first for s in stages),
-                    has_last=any(s.is_last for s in stages), criterion=criterion)
+                    has_last=any(s.is_last for s in stages), n_microbatches=n_microbatches, criterion=criterion)
     cls = schedule_class(schedule)
     sched_stages = stages[0] if schedule in SINGLE_STAGE_SCHEDULES else stages
     try:

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import contextlib
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module

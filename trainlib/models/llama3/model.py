@@ -43,6 +43,9 @@ class ModelArgs:
         return self.dim // self.n_heads
 
     def validate(self) -> None:
+        for key in ("n_layers", "vocab_size"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
         if self.dim % self.n_heads:
             raise ValueError(f"model.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
@@ -255,18 +258,6 @@ class Transformer(nn.Module):
         self.init_buffers(device=self.rope.device if self.rope.device.type != "meta" else None)
         for name, p in self.named_parameters():
             init_param_(p, self.param_init_spec(name), seed, name)
-
-
-def count_params(model: nn.Module, exclude_embeddings: bool = False) -> int:
-    seen, n = set(), 0
-    for name, p in model.named_parameters():
-        if id(p) in seen:
-            continue
-        seen.add(id(p))
-        if exclude_embeddings and "tok_embeddings" in name:
-            continue
-        n += p.numel()
-    return n
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:

@@ -2,7 +2,7 @@
 
 Order (each step assumes the previous ones):
   1. tensor parallel (+ sequence parallel)   changes module forward layouts
-  2. context parallel                        routes attention to ring attention
+  2. context parallel                        all-gather CP: each rank gathers K/V over cp
   3. activation checkpointing                wraps blocks
   4. torch.compile                           per block, after AC wrapping
   5. FSDP / HSDP                             last: shards whatever parameters
@@ -20,7 +20,7 @@ from trainlib.parallel.ac import ActivationCheckpointConfig, apply_ac
 from trainlib.parallel.compile import CompileConfig, apply_compile
 from trainlib.parallel.config import ParallelismConfig
 from trainlib.parallel.cp import apply_cp
-from trainlib.parallel.fsdp import apply_fsdp
+from trainlib.parallel.fsdp import apply_fsdp, reshard_after_forward
 from trainlib.parallel.parallel_dims import ParallelDims
 from trainlib.parallel.tp import apply_tp
 
@@ -44,32 +44,14 @@ def parallelize_llama(
         apply_ac(model, ac.mode, every_k=ac.every_k, selective_op_policy=ac.selective_op_policy)
     if compile is not None and compile.enable:
         apply_compile(model, backend=compile.backend)
-    if uses_fsdp(parallel_dims, param_dtype):
+    if parallel_dims.uses_fsdp(param_dtype):
         apply_fsdp(
             model,
             parallel_dims.fsdp_mesh(),
             param_dtype=param_dtype,
             reduce_dtype=reduce_dtype,
-            reshard_after_forward=_reshard_after_forward(parallelism, parallel_dims),
+            reshard_after_forward=reshard_after_forward(parallelism.fsdp_reshard_after_forward,
+                                                        parallel_dims.pp_enabled),
             cpu_offload=parallelism.fsdp_cpu_offload,
         )
     return model
-
-
-def uses_fsdp(parallel_dims: ParallelDims, param_dtype: torch.dtype) -> bool:
-    # Data parallelism is applied whenever more than one rank holds distinct
-    # tokens, and also on one rank when a lower parameter precision is asked:
-    # FSDP's mixed-precision policy is the one place that casts parameters.
-    dp_cp = parallel_dims.dp_replicate * parallel_dims.dp_shard * parallel_dims.cp
-    return dp_cp > 1 or param_dtype != torch.float32
-
-
-def _reshard_after_forward(parallelism: ParallelismConfig, parallel_dims: ParallelDims) -> bool:
-    policy = parallelism.fsdp_reshard_after_forward
-    if policy == "always":
-        return True
-    if policy == "never":
-        return False
-    # Under PP every micro-batch would re-gather the same parameters, so keep
-    # them unsharded between forward and backward.
-    return not parallel_dims.pp_enabled

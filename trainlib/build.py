@@ -1,0 +1,61 @@
+"""One way to build a model: meta-device build -> converters -> pipeline split -> parallelize.
+
+`build_model_parts` is what `trainlib.train.setup`, the planner
+(`trainlib.plan`, on a fake process group) and custom loops
+(`docs/custom_loop.py`) call, so all three build exactly the same modules.
+The parts come back on the meta device: materialise and initialise them with
+`trainlib.parallel.init_model_weights(part, seed, device)`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from trainlib.float8 import check_float8_hardware, convert_float8
+from trainlib.loss import cross_entropy_sum
+from trainlib.models import count_params
+from trainlib.models.registry import get_model_spec, model_args
+from trainlib.parallel.compile import maybe_compile_loss
+from trainlib.parallel.parallel_dims import ParallelDims
+from trainlib.parallel.pp import Pipeline, build_pipeline
+
+
+@dataclass
+class ModelParts:
+    parts: list[nn.Module]  # the whole model, or this rank's pipeline stages
+    pipeline: Pipeline | None  # set under pipeline parallelism
+    model_args: Any
+    n_params: int  # of the whole model, before any split or sharding
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # compiled when compile.loss is set
+
+
+def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelParts:
+    """Build the model of a JobConfig for this rank of `dims` (whose mesh is built).
+
+    Order: the registry entry of `model.name` builds the model on the meta
+    device; float8 swaps linears (so TP/AC/compile/FSDP wrap the swapped
+    modules); under PP the model is split into this rank's stages; each
+    stage (or the whole model) is parallelized by the family's function."""
+    spec = get_model_spec(cfg.model.name)
+    args = model_args(cfg.model)
+    t = cfg.training
+    with torch.device("meta"):
+        model = spec.model_cls(args, rope_len=t.seq_len)
+    n_params = count_params(model)
+    check_float8_hardware(cfg.float8, device)
+    convert_float8(model, cfg.float8, fsdp=dims.uses_fsdp(t.param_dtype))
+
+    def parallelize(m: nn.Module) -> nn.Module:
+        return spec.parallelize(m, dims, cfg.parallelism, param_dtype=t.param_dtype, reduce_dtype=t.reduce_dtype,
+                                ac=cfg.activation_checkpoint, compile=cfg.compile)
+
+    loss_fn = maybe_compile_loss(cross_entropy_sum, cfg.compile)
+    if dims.pp_enabled:  # this rank's stages, each parallelized like a whole model
+        pipeline = build_pipeline(model, dims, cfg.parallelism, device, parallelize, loss_fn)
+        return ModelParts(pipeline.model_parts, pipeline, args, n_params, loss_fn)
+    return ModelParts([parallelize(model)], None, args, n_params, loss_fn)

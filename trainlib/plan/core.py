@@ -1,0 +1,249 @@
+"""make_plan: validate a recipe for a cluster and predict per-rank memory and step time.
+
+The model is built by the job's own `trainlib.build.build_model_parts`, once
+per pipeline rank, on torch's fake process group as the first global rank of
+that pipeline coordinate: whatever the job builds (stage split, float8, TP,
+FSDP, ...) is what the planner measures, with nothing re-implemented here.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from trainlib.plan.comm import comm_bytes, comm_seconds
+from trainlib.plan.hardware import ASSUMPTIONS, GPUS, GiB, axis_intra_node
+from trainlib.plan.memory import DTYPE_BYTES, StepShape, rank_memory, state_bytes
+
+
+@dataclass
+class StagePlan:
+    pp_rank: int
+    stages: list[int]
+    layers: list[int]  # global indices of the blocks this pipeline rank holds
+    has_embedding: bool
+    has_output: bool
+    memory: dict[str, float] = field(default_factory=dict)  # bytes
+    total_bytes: float = 0.0
+
+
+@dataclass
+class Plan:
+    recipe: str
+    world_size: int
+    gpu: str
+    degrees: dict[str, int]
+    model: str
+    n_params: int
+    seq_len: int
+    local_batch_size: int
+    grad_accum: int
+    microbatch: int
+    pp_microbatches: int
+    ac: str
+    intra_node: dict[str, bool]
+    stages: list[StagePlan]
+    comm_bytes: dict[str, float]  # per rank per step, bytes sent
+    comm_seconds: dict[str, float]
+    flops_per_step_per_rank: float
+    compute_seconds: float
+    bubble_fraction: float
+    step_seconds: float
+    tokens_per_second_per_gpu: float
+    mfu: float
+    max_total_bytes: float
+    fits: bool
+    assumptions: dict
+    warnings: list[str] = field(default_factory=list)
+
+
+# ---- the build, on a fake process group --------------------------------------------------------------------------
+
+
+@dataclass
+class RankBuild:
+    """What one pipeline rank holds, read from its built model parts."""
+
+    pp_rank: int
+    stage_ids: list[int]
+    layers: list[int]
+    has_embedding: bool
+    has_output: bool
+    state: dict[str, int]  # state_bytes of its parts
+    block_params: int  # parameters of one of its blocks, unsharded (global DTensor sizes); 0 without blocks
+
+
+@dataclass
+class Build:
+    n_params: int
+    fsdp: bool
+    n_stages: int
+    stages_per_rank: int
+    n_microbatches: int
+    ranks: list[RankBuild]
+    groups: dict[str, list[list[int]]]  # every rank group of each axis (and "fsdp": dp_shard x cp)
+
+    @property
+    def block_params(self) -> int:
+        return max(r.block_params for r in self.ranks)  # a first or last stage may hold no block
+
+
+_BUILT: dict = {}  # build key -> Build; --suggest varies only AC on top of a layout
+
+
+def build_on_fake_world(cfg, world_size: int) -> Build:
+    """Build the job's model parts for every pipeline rank, as the first global
+    rank of each pipeline coordinate, on torch's fake process group (no
+    communication happens). AC and compile wrap modules without adding
+    parameters, so a cached build serves any AC mode."""
+    t = cfg.training
+    key = (world_size, repr(cfg.model), t.seq_len, t.mixed_precision_param, t.mixed_precision_reduce,
+           repr(cfg.parallelism), repr(cfg.float8))
+    if key not in _BUILT:
+        rank0, facts, pp_first_ranks = _build_rank(cfg, world_size, rank=0)
+        ranks = [rank0] + [_build_rank(cfg, world_size, rank)[0] for rank in pp_first_ranks[1:]]
+        if len(_BUILT) > 64:
+            _BUILT.clear()
+        _BUILT[key] = Build(ranks=ranks, **facts)
+    return _BUILT[key]
+
+
+def _build_rank(cfg, world_size: int, rank: int) -> tuple[RankBuild, dict, list[int]]:
+    """(this rank's RankBuild, the layout facts, the first global rank of every pipeline coordinate)."""
+    from torch.distributed.fsdp import FSDPModule
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from trainlib.build import build_model_parts
+    from trainlib.parallel import ParallelDims
+
+    if dist.is_initialized():
+        # A real job's process group must never be torn down by a planner call.
+        raise RuntimeError("trainlib.plan needs a process without a process group (it starts a fake one)")
+    dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
+    try:
+        dims = ParallelDims.from_config(cfg.parallelism, world_size)
+        dims.build_mesh("cpu")
+        built = build_model_parts(cfg, dims, torch.device("cpu"))
+        parts, pipe = built.parts, built.pipeline
+        pp_rank = dims.mesh("pp").get_local_rank()
+        stage_ids = [s.stage_index for s in pipe.stages] if pipe else [0]
+        blocks = [b for part in parts for b in part.layers.values()]
+        facts = dict(
+            n_params=built.n_params, fsdp=any(isinstance(part, FSDPModule) for part in parts),
+            n_stages=pipe.stages[0].num_stages if pipe else 1, stages_per_rank=len(stage_ids),
+            n_microbatches=pipe.n_microbatches if pipe else 1,
+            groups={**{a: dims.rank_groups(a) for a in dims.degrees()}, "fsdp": dims.rank_groups("dp_shard_cp")})
+        rank_build = RankBuild(pp_rank, stage_ids, [int(i) for part in parts for i in part.layers],
+                               any(part.tok_embeddings is not None for part in parts),
+                               any(part.output is not None for part in parts), state_bytes(parts),
+                               sum(p.numel() for p in blocks[0].parameters()) if blocks else 0)
+        return rank_build, facts, [int(r) for r in dims.mesh("pp").mesh.tolist()]
+    finally:
+        dist.destroy_process_group()
+
+
+# ---- the plan ------------------------------------------------------------------------------------------------------
+
+
+def _tokenizer_vocab(cfg, args) -> int:
+    """The tokenizer's vocabulary when its files are here; recipes for clusters
+    name paths that exist only there, so otherwise the model's is assumed."""
+    from trainlib.data import build_tokenizer
+
+    try:
+        return build_tokenizer(cfg.tokenizer).vocab_size
+    except (OSError, ValueError, ImportError):
+        return args.vocab_size
+
+
+def _ac_label(ac) -> str:
+    if ac.mode == "selective_op":
+        return f"selective_op({ac.selective_op_policy})"
+    if ac.mode == "selective_layer":
+        return f"selective_layer(every_k={ac.every_k})"
+    return ac.mode
+
+
+def step_time(useful_flops: float, ac, hw, assumptions: dict, bubble: float,
+              comm_s: dict[str, float]) -> tuple[float, float, float]:
+    """(FLOPs per rank per step, compute seconds, step seconds) from the useful
+    FLOPs per rank. Recomputation adds 1/3 of them under full AC, 1/(3k) under
+    selective_layer, 5% under selective_op. FSDP, HSDP, PP and CP traffic
+    overlaps compute (prefetch, async p2p); TP's collectives sit between
+    dependent matmuls and are exposed."""
+    recompute = {"none": 0.0, "full": 1 / 3, "selective_layer": 1 / (3 * ac.every_k), "selective_op": 0.05}[ac.mode]
+    flops = useful_flops * (1 + recompute)
+    compute_s = flops / (hw.bf16_tflops * 1e12 * assumptions["achieved_fraction_of_peak"])
+    overlapped = sum(v for k, v in comm_s.items() if k != "tp")
+    return flops, compute_s, max(compute_s * (1 + bubble), overlapped) + comm_s.get("tp", 0.0)
+
+
+def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides: list[str] | None = None,
+              assumptions: dict | None = None) -> Plan:
+    """Validate `recipe` (with `section.key=value` overrides) for `world_size`
+    ranks and predict per-rank memory and step time. Raises ConfigError /
+    ValueError with the job's own one-line message for a bad layout."""
+    from trainlib.config import ConfigError, load_job_config
+    from trainlib.config.validate import resolve_local_batch_size, validate_job
+    from trainlib.models.registry import get_model_spec, model_args
+    from trainlib.parallel import ParallelDims
+    from trainlib.parallel.fsdp import reshard_after_forward
+
+    if gpu not in GPUS:
+        raise ConfigError(f"--gpu '{gpu}' is unknown; valid: {', '.join(GPUS)}")
+    hw, A = GPUS[gpu], {**ASSUMPTIONS, **(assumptions or {})}
+    cfg = load_job_config(recipe, [o if o.startswith("--") else f"--{o}" for o in (overrides or [])])
+    t, par, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
+    dims = ParallelDims.from_config(par, world_size)
+    args = model_args(cfg.model)
+    validate_job(cfg, dims, args, _tokenizer_vocab(cfg, args))
+    local_bs, grad_accum = resolve_local_batch_size(cfg, dims)
+
+    b = build_on_fake_world(cfg, world_size)
+    mb = local_bs // b.n_microbatches
+    s = StepShape(args=args, pp=dims.pp, tp=dims.tp, cp=dims.cp, sp=dims.tp_enabled and par.tp_sequence_parallel,
+                  loss_parallel=dims.tp_enabled and par.tp_loss_parallel,
+                  elem=DTYPE_BYTES[t.mixed_precision_param], reduce_elem=DTYPE_BYTES[t.mixed_precision_reduce],
+                  schedule=par.pp_schedule, n_stages=b.n_stages, stages_per_rank=b.stages_per_rank,
+                  n_microbatches=b.n_microbatches, mb_tokens=mb * t.seq_len / dims.cp, fsdp=b.fsdp,
+                  reshard=reshard_after_forward(par.fsdp_reshard_after_forward, dims.pp_enabled),
+                  block_params=b.block_params)
+    stages = []
+    for r in b.ranks:
+        mem = rank_memory(s, ac, r.pp_rank, r.stage_ids, r.layers, r.has_embedding, r.has_output, r.state,
+                          A["allocator_overhead"])
+        stages.append(StagePlan(r.pp_rank, r.stage_ids, r.layers, r.has_embedding, r.has_output, mem,
+                                sum(mem.values())))
+
+    intra = axis_intra_node(b.groups, A["gpus_per_node"])
+    comm = comm_bytes(s, n_params=b.n_params, fsdp_degree=len(b.groups["fsdp"][0]), dp_replicate=dims.dp_replicate,
+                      grad_accum=grad_accum, layers_rank=max(len(r.layers) for r in b.ranks), ac=ac)
+    comm_s = comm_seconds(comm, intra, hw, A)
+    tokens_step = t.global_batch_size * t.seq_len
+    bubble = (dims.pp - 1) / (b.n_microbatches * b.stages_per_rank) if dims.pp_enabled else 0.0
+    useful = get_model_spec(cfg.model.name).flops_per_token(args, t.seq_len) * tokens_step / world_size
+    flops, compute_s, step_s = step_time(useful, ac, hw, A, bubble, comm_s)
+
+    worst = max(stages, key=lambda st: st.total_bytes)
+    fits = worst.total_bytes <= hw.memory_gib * GiB
+    warnings = []
+    if not fits:
+        warnings.append(f"predicted peak {worst.total_bytes / GiB:.1f} GiB on pipeline rank {worst.pp_rank} exceeds "
+                        f"the {hw.memory_gib:.0f} GiB of one {hw.name}; try activation checkpointing, more "
+                        f"FSDP/TP/PP or a smaller local batch (python -m trainlib.plan ... --suggest)")
+    if cfg.float8.enable:
+        warnings.append("float8: parameters/optimizer are exact; activations and step time are modelled as bf16")
+    degrees = dims.degrees()
+    return Plan(
+        recipe=recipe or "(defaults)", world_size=world_size, gpu=gpu, degrees=degrees, model=cfg.model.flavor,
+        n_params=b.n_params, seq_len=t.seq_len, local_batch_size=local_bs, grad_accum=grad_accum, microbatch=mb,
+        pp_microbatches=b.n_microbatches, ac=_ac_label(ac),
+        intra_node={k: v for k, v in intra.items() if degrees.get(k, 2) > 1}, stages=stages, comm_bytes=comm,
+        comm_seconds=comm_s, flops_per_step_per_rank=flops, compute_seconds=compute_s, bubble_fraction=bubble,
+        step_seconds=step_s, tokens_per_second_per_gpu=tokens_step / world_size / step_s,
+        mfu=useful / step_s / (hw.bf16_tflops * 1e12),
+        max_total_bytes=worst.total_bytes, fits=fits, assumptions={**A, "gpu": asdict(hw)}, warnings=warnings,
+    )
+

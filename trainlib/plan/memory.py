@@ -1,0 +1,195 @@
+"""Per-rank memory: exact state bytes from the built model, stated formulas for the rest.
+
+Every formula is written out, with its validation, in docs/planner.md.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def state_bytes(model_parts: list[nn.Module]) -> dict[str, int]:
+    """Parameter, gradient and AdamW bytes this rank holds: the logical local
+    shard sizes (what `to_local()` gives). Gradients have the parameters'
+    storage dtype (fp32 under FSDP mixed precision: the sharded master
+    weights); AdamW keeps exp_avg and exp_avg_sq like each parameter plus a
+    4-byte fp32 `step` tensor per parameter."""
+    params = grads = opt = n_local = 0
+    seen = set()
+    for part in model_parts:
+        for p in part.parameters():
+            if id(p) in seen:
+                continue
+            seen.add(id(p))
+            loc = _local(p)
+            b = loc.numel() * loc.element_size()
+            params += b
+            grads += b if p.requires_grad else 0
+            opt += 2 * b + 4
+            n_local += loc.numel()
+    return {"params": params, "grads": grads, "optimizer": opt, "param_numel": n_local}
+
+
+# ---- activations -----------------------------------------------------------------------------------------------------
+
+
+def block_activation_bytes_per_token(args, *, tp: int, sp: bool, elem: int, mode: str, policy: str = "all_mm") -> float:
+    """Bytes one transformer block keeps for backward, per token of the local
+    micro-batch, as trainlib's model saves them (measured with saved-tensor
+    hooks on CPU, see docs/planner.md):
+      norms (x2)      fp32 input, fp32 normalized input, fp32 rstd  -> seq-sharded under SP
+      matmul inputs   the two norm outputs in the compute dtype, whole sequence (gathered under SP)
+      attention       q, k, v after RoPE, the SDPA output (also wo's input), fp32 logsumexp per head
+      SwiGLU          w1 out, silu out, w3 out, their product
+    `full` keeps the block input only; `selective_op` keeps the block input
+    plus the matmul outputs (all, or wk/wo/w3 for every_other_mm), the SDPA
+    outputs and, under SP, the reduce-scatter outputs."""
+    d, f, hd = args.dim, args.ffn_dim, args.head_dim
+    dq, dkv = args.n_heads * hd / tp, args.n_kv_heads * hd / tp
+    ts = tp if sp else 1
+    block_in = elem * d / ts
+    sdpa = elem * dq + 4 * args.n_heads / tp
+    if mode == "full":
+        return block_in
+    if mode == "selective_op":
+        mm = [dq, dkv, dkv, d, f / tp, f / tp, d]  # wq wk wv wo w1 w3 w2 outputs (wo/w2: partial sums, whole seq)
+        if policy == "every_other_mm":
+            mm = [dkv, d, f / tp]
+        rs = 2 * elem * d / ts if (sp and tp > 1) else 0
+        return block_in + elem * sum(mm) + sdpa + rs
+    norms = 2 * (8 * d + 4) / ts
+    return norms + 2 * elem * d + elem * (dq + 2 * dkv) + sdpa + 4 * elem * f / tp
+
+
+def layer_bytes(args, layer_ids: list[int], tokens: float, *, tp, sp, elem, ac) -> tuple[float, float]:
+    """(bytes kept for the given blocks, transient working set of one recomputed block)."""
+    none = block_activation_bytes_per_token(args, tp=tp, sp=sp, elem=elem, mode="none")
+    kept = 0.0
+    for i in layer_ids:
+        mode = ac.mode
+        if mode == "selective_layer":
+            mode = "full" if i % ac.every_k == 0 else "none"
+        kept += block_activation_bytes_per_token(args, tp=tp, sp=sp, elem=elem, mode=mode,
+                                                 policy=ac.selective_op_policy) * tokens
+    recompute = none * tokens if ac.mode != "none" and layer_ids else 0.0
+    return kept, recompute
+
+
+def microbatches_in_flight(schedule: str, pp: int, pp_rank: int, n_mb: int, per_rank: int) -> float:
+    """How many (micro-batch x stage) activation sets the busiest moment of
+    this pipeline rank holds, in units of one of its stages. GPipe and
+    LoopedBFS run every forward before any backward; 1F1B holds pp - rank;
+    interleaved/zero-bubble schedules hold their warm-up count
+    2*(pp - rank - 1) + (v - 1)*pp + 1 chunks (Megatron's count)."""
+    if pp == 1:
+        return 1
+    if schedule in ("GPipe", "LoopedBFS"):
+        return n_mb * per_rank
+    if schedule == "1F1B":
+        return min(n_mb, pp - pp_rank)
+    return min(n_mb * per_rank, 2 * (pp - pp_rank - 1) + (per_rank - 1) * pp + 1)
+
+
+# ---- one pipeline rank -------------------------------------------------------------------------------------------
+
+
+@dataclass
+class StepShape:
+    """What the memory and communication formulas need of a planned step (per rank)."""
+
+    args: object  # the model's args (dim, ffn_dim, heads, vocab, ...)
+    pp: int
+    tp: int
+    cp: int
+    sp: bool  # sequence parallel (TP on and tp_sequence_parallel)
+    loss_parallel: bool
+    elem: int  # bytes of the compute (parameter) dtype
+    reduce_elem: int  # bytes of the gradient-reduction dtype
+    schedule: str
+    n_stages: int
+    stages_per_rank: int
+    n_microbatches: int  # pipeline micro-batches per local batch (1 without PP)
+    mb_tokens: float  # tokens of one micro-batch on this rank (CP splits the sequence)
+    fsdp: bool  # FSDP wraps the model (read from the build)
+    reshard: bool  # FSDP reshards blocks after forward
+    block_params: int  # parameters of one block, unsharded
+
+
+def activation_bytes(s: StepShape, ac, pp_rank: int, layers: list[int], has_emb: bool,
+                     has_out: bool) -> tuple[float, float]:
+    """(activations kept at this pipeline rank's peak, one recomputed block's working set)."""
+    a = s.args
+    in_flight = microbatches_in_flight(s.schedule, s.pp, pp_rank, s.n_microbatches, s.stages_per_rank)
+    kept, recompute = layer_bytes(a, layers, s.mb_tokens, tp=s.tp, sp=s.sp, elem=s.elem, ac=ac)
+    # `kept` covers all this rank's layers for one micro-batch; in flight
+    # counts one stage's worth, so scale by stages held over stages owned.
+    act = kept * in_flight / s.stages_per_rank
+    if has_emb:
+        act += 8 * s.mb_tokens * in_flight / s.stages_per_rank  # token ids kept by the embedding
+    if has_out:  # final norm (as in a block) and the output projection's input
+        act += ((8 * a.dim + 4) / (s.tp if s.sp else 1) + s.elem * a.dim) * s.mb_tokens * in_flight \
+            / s.stages_per_rank
+    return act, recompute
+
+
+def logits_loss_bytes(s: StepShape, has_out: bool) -> float:
+    """Logits and loss of one micro-batch at the start of its backward: fp32
+    log-probs (saved), their fp32 gradient and the fp32 logits gradient;
+    GPipe-like schedules keep every micro-batch's log-probs."""
+    if not has_out:
+        return 0.0
+    vocab_local = s.args.vocab_size / (s.tp if s.loss_parallel else 1)
+    n_logits = s.n_microbatches if s.schedule in ("GPipe", "LoopedBFS") and s.pp > 1 else 1
+    return (4 * (n_logits - 1) + 12) * s.mb_tokens * vocab_local
+
+
+def fsdp_unsharded_bytes(s: StepShape, n_layers: int, has_emb: bool, has_out: bool) -> float:
+    """FSDP unsharded parameters in the compute dtype: two blocks in flight
+    (prefetch) when resharding after forward, else every block of the rank;
+    the root (embedding/output) stays gathered through the step. Gradients:
+    one block's unsharded gradient before its reduce-scatter; under PP torch's
+    PipelineStage turns gradient sync off until the last micro-batch, so FSDP
+    accumulates every block's unsharded gradient in the reduce dtype, plus one
+    block's gradient in the compute dtype before it is added. FSDP on one rank
+    still all-gathers (casts) into compute-dtype copies."""
+    if not s.fsdp:
+        return 0.0
+    a, block = s.args, s.block_params / s.tp
+    root = (a.vocab_size * a.dim / s.tp) * (int(has_emb) + int(has_out))
+    n_blocks = min(2, n_layers) if s.reshard else n_layers
+    gathered = s.elem * (block * n_blocks + root)
+    if s.pp > 1:
+        return gathered + s.reduce_elem * (block * n_layers + root) + s.elem * block
+    return gathered + s.reduce_elem * block
+
+
+def pp_buffer_bytes(s: StepShape, stage_ids: list[int]) -> float:
+    """PipelineStage receive buffers: one activation (forward) and one output
+    gradient (backward) per micro-batch for each stage that has a neighbour."""
+    if s.pp == 1:
+        return 0.0
+    act = s.elem * s.mb_tokens * s.args.dim / (s.tp if s.sp else 1)
+    return sum(s.n_microbatches * act * ((sid != 0) + (sid != s.n_stages - 1)) for sid in stage_ids)
+
+
+def rank_memory(s: StepShape, ac, pp_rank: int, stage_ids: list[int], layers: list[int], has_emb: bool,
+                has_out: bool, state: dict[str, int], allocator_overhead: float) -> dict[str, float]:
+    """Bytes per category at the peak of one pipeline rank (the whole model without PP)."""
+    act, recompute = activation_bytes(s, ac, pp_rank, layers, has_emb, has_out)
+    mem = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
+           "fsdp_unsharded": fsdp_unsharded_bytes(s, len(layers), has_emb, has_out), "activations": act,
+           "recompute": recompute, "logits_loss": logits_loss_bytes(s, has_out),
+           "pp_buffers": pp_buffer_bytes(s, stage_ids)}
+    mem["overhead"] = allocator_overhead * sum(mem.values())
+    return mem

@@ -1,0 +1,50 @@
+"""--suggest: layouts of a recipe's model for a cluster that fit in memory, fastest first."""
+
+from __future__ import annotations
+
+from trainlib.plan.core import make_plan
+from trainlib.plan.hardware import ASSUMPTIONS, GiB
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def suggest(recipe: str | None, world_size: int, gpu: str = "h100", overrides: list[str] | None = None,
+            top: int = 10) -> list[dict]:
+    """Enumerates tp (divisors of the kv heads, inside a node), pp (divisors of
+    the rest, at most min(layers, 16), with 1F1B), cp (1, 2, 4), dp_replicate
+    (1 or one replica per node group) and AC none / selective_op / full; keeps
+    the recipe's global and local batch; drops the layouts the job would
+    reject and those that do not fit. Each row carries its overrides ("set")."""
+    from trainlib.config import load_job_config
+    from trainlib.models.registry import model_args
+
+    overrides = list(overrides or [])
+    args = model_args(load_job_config(recipe, [o if o.startswith("--") else f"--{o}" for o in overrides]).model)
+    node = ASSUMPTIONS["gpus_per_node"]
+    results = []
+    for tp in [d for d in _divisors(args.n_kv_heads) if d <= node and world_size % d == 0]:
+        for pp in [d for d in _divisors(world_size // tp) if d <= min(args.n_layers, 16)]:
+            for cp in [c for c in (1, 2, 4) if (world_size // (tp * pp)) % c == 0]:
+                rest = world_size // (tp * pp * cp)
+                for dpr in sorted({1, max(1, rest // max(1, node // (tp * cp)))}):
+                    if rest % dpr:
+                        continue
+                    for ac in ("none", "selective_op", "full"):
+                        layout = [f"parallelism.tp={tp}", f"parallelism.pp={pp}", f"parallelism.cp={cp}",
+                                  f"parallelism.dp_replicate={dpr}", "parallelism.dp_shard=-1",
+                                  f"activation_checkpoint.mode={ac}"]
+                        if pp > 1:
+                            layout += ["parallelism.pp_schedule=1F1B", "parallelism.pp_stages_per_rank=1"]
+                        try:
+                            p = make_plan(recipe, world_size, gpu, overrides + layout)
+                        except ValueError:  # ConfigError included: the job would reject this layout
+                            continue
+                        if p.fits:
+                            results.append({"tp": tp, "pp": pp, "cp": cp, "dp_replicate": dpr,
+                                            "dp_shard": p.degrees["dp_shard"], "ac": ac,
+                                            "peak_gib": p.max_total_bytes / GiB, "step_s": p.step_seconds,
+                                            "mfu": p.mfu, "set": layout})
+    results.sort(key=lambda r: r["step_s"])
+    return results[:top]
