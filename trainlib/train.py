@@ -36,6 +36,7 @@ from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
 from trainlib.parallel.pp import Pipeline
 from trainlib.parallel.tp import loss_context
 from trainlib.parallel.cp import shard_batch
+from trainlib.resilience import Preempted, StepMonitor
 
 logger = logging.getLogger("trainlib")
 
@@ -57,6 +58,7 @@ class Job:
     loss_fn: Callable = cross_entropy_sum  # compiled when compile.loss is set
     checkpointer: Checkpointer | None = None
     start_step: int = 0  # the last step already done (restored from a checkpoint)
+    monitor: StepMonitor | None = None  # preemption, hang watchdog, step-time spread
 
 
 def setup(cfg: JobConfig, info: DistInfo) -> Job:
@@ -98,8 +100,9 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
         f"{t.global_batch_size} x {t.seq_len} tokens = local {local_bs} x dp {dims.dp} x accum {grad_accum} | "
         f"run dir {run_dir}"
     )
+    monitor = StepMonitor(cfg.watchdog, cfg.comm.train_timeout_seconds, run_dir)
     return Job(cfg, info, dims, built.parts, optimizer, scheduler, loader, metrics, grad_accum, run_dir,
-               built.pipeline, built.loss_fn, checkpointer, start_step)
+               built.pipeline, built.loss_fn, checkpointer, start_step, monitor)
 
 
 def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tensor) -> torch.Tensor:
@@ -132,6 +135,7 @@ def train_loop(job: Job) -> list[dict]:
     tokens_per_step = t.global_batch_size * t.seq_len
     records = []
     for step in range(job.start_step + 1, t.steps + 1):
+        job.monitor.start_step(step)
         micro_batches = [next(job.loader) for _ in range(job.grad_accum)]
         # The loss is a mean over every target token of the global batch, so
         # count them across data-parallel ranks before any backward.
@@ -145,6 +149,7 @@ def train_loop(job: Job) -> list[dict]:
         job.scheduler.step()
         job.optimizer.zero_grad(set_to_none=True)
         job.metrics.step_done(tokens_per_step)
+        preempted = job.monitor.end_step()  # the same answer on every rank; below here is not watched for hangs
         if step == job.start_step + 1:  # past compilation and first-time allocations
             set_collective_timeout(cfg.comm.train_timeout_seconds)
 
@@ -153,8 +158,12 @@ def train_loop(job: Job) -> list[dict]:
             if pp_mesh is not None:  # only last-stage ranks computed a loss; the others hold 0
                 dist.all_reduce(loss_sum, group=pp_mesh.get_group())
             records.append(job.metrics.log(step, loss=loss_sum.item(), grad_norm=grad_norm.item(),
-                                           lr=job.scheduler.get_last_lr()[0]))
+                                           lr=job.scheduler.get_last_lr()[0], **job.monitor.spread()))
         job.checkpointer.maybe_save(step, t.steps)
+        if preempted:
+            job.checkpointer.save_now()
+            logger.info(f"{Preempted(step)}")
+            raise Preempted(step)
     job.checkpointer.close()
     if cfg.checkpoint.export_hf:
         job.checkpointer.export_hf(job.run_dir / "hf")
@@ -163,8 +172,9 @@ def train_loop(job: Job) -> list[dict]:
 
 def train(cfg: JobConfig) -> list[dict]:
     """Run a whole job; returns the logged metric records (rank 0's view).
-    Raises ValueError (ConfigError included) for bad input, before training."""
-    info = init_distributed(cfg.comm, cfg.job.device)
+    Raises ValueError (ConfigError included) for bad input, before training,
+    and `Preempted` (a SystemExit) after a SIGTERM/SIGUSR1 stop's checkpoint."""
+    info = init_distributed(cfg.comm, cfg.job.device, dump_dir=Path(cfg.job.dump_folder) / "hang")
     setup_logging(info.rank)
     if cfg.job.description:  # also in the run folder's config.toml
         logger.info(f"job: {cfg.job.description}")
@@ -178,6 +188,7 @@ def train(cfg: JobConfig) -> list[dict]:
         try:
             return train_loop(job)
         finally:
+            job.monitor.close()
             job.metrics.close()
             # Release FSDP/DTensor state (and the collective work objects it
             # holds) while the process groups still exist.
@@ -218,6 +229,8 @@ def main(argv: list[str] | None = None) -> int:
         train(cfg)
     except ConfigError as e:
         return _user_error(str(e))
+    except Preempted as e:
+        return e.code
     return 0
 
 

@@ -19,6 +19,7 @@ from trainlib.optim import LRSchedulerConfig, OptimizerConfig
 from trainlib.parallel.ac import ActivationCheckpointConfig
 from trainlib.parallel.compile import CompileConfig
 from trainlib.parallel.config import ParallelismConfig
+from trainlib.resilience import WatchdogConfig
 
 
 @dataclass
@@ -88,6 +89,7 @@ class JobConfig:
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     float8: Float8Config = field(default_factory=Float8Config)
     compile: CompileConfig = field(default_factory=CompileConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)

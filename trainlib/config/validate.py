@@ -47,6 +47,11 @@ def validate_job(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs, toke
     resolve_local_batch_size(cfg, dims)
     _validate_tp_pp(cfg, dims, model_args)
     _validate_cp(cfg, dims)
+    if cfg.watchdog.enable and cfg.watchdog.min_seconds >= cfg.comm.train_timeout_seconds / 2:
+        raise ConfigError(
+            f"watchdog.min_seconds ({cfg.watchdog.min_seconds:g}) must be below half of comm.train_timeout_seconds "
+            f"({cfg.comm.train_timeout_seconds:g}), so that a hang is reported before the collective timeout ends "
+            f"the job; lower watchdog.min_seconds or raise comm.train_timeout_seconds")
 
 
 def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -> None:
