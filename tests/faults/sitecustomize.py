@@ -6,13 +6,15 @@ that has one, so a test puts this folder first on the subprocess's PYTHONPATH
 run (`python -m trainlib.train`, each torchrun worker, DCP's async writer
 process) loads it. Without `TRAINLIB_FAULTS` it does nothing. With it, it wraps
 `Checkpointer` methods (and DCP's file writer) as their modules are imported,
-and sends a signal to the chosen rank at the chosen point:
+and at the chosen point of the chosen rank does what ACTION says:
 
-    TRAINLIB_FAULTS="POINT:STEP[:RANK[:SIGNAL]],..."   one or more faults
+    TRAINLIB_FAULTS="POINT:STEP[:RANK[:ACTION]],..."   one or more faults
     TRAINLIB_FAULT_DIR=folder                           once-only markers (required)
 
 RANK is the global rank (`RANK`, 0 without torchrun) or `*` for every rank
-(default 0); SIGNAL a name such as KILL (default), TERM or USR1. POINT is one of
+(default 0). ACTION is a signal name such as KILL (the default), TERM or USR1,
+sent to the process itself; ENOSPC, which raises OSError(ENOSPC) there (a full
+disk, meant for mid_write); or HANG, which sleeps there forever. POINT is one of
 
     after_update     step STEP's optimizer update is done, the checkpointer has
                      not seen it (entry of `Checkpointer.maybe_save`)
@@ -36,38 +38,44 @@ relaunch, a `torchrun --max-restarts` restart or a second torchrun agent whose
 restart count stays 0 all run through. Several faults in one variable fire in
 turn across restarts (e.g. kill a rank at step 3, then another at step 6 of
 the restarted run). The firing process prints
-`[fault injection] SIGKILL rank R at POINT of step S` to stderr first.
+`[fault injection] SIGKILL rank R at POINT of step S` (or ENOSPC, HANG) to
+stderr first.
 """
 
+import errno
 import importlib.abc
 import importlib.util
 import os
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 
 POINTS = ("after_update", "after_step", "before_commit", "async_in_flight", "mid_write")
+ACTIONS = ("ENOSPC", "HANG")  # besides signals
 
 
-def _parse(spec: str) -> list[tuple[int, str, int, str, signal.Signals]]:
+def _parse(spec: str) -> list[tuple[int, str, int, str, str]]:
     faults = []
     for i, item in enumerate(x.strip() for x in spec.split(",") if x.strip()):
         parts = item.split(":")
-        point, step, rank, sig = parts + ["0", "KILL"][len(parts) - 2:] if 2 <= len(parts) <= 4 else [""] * 4
-        if point not in POINTS or not step.isdigit() or not (rank == "*" or rank.isdigit()) or not hasattr(
-                signal, "SIG" + sig.upper()):
+        point, step, rank, action = parts + ["0", "KILL"][len(parts) - 2:] if 2 <= len(parts) <= 4 else [""] * 4
+        action = action.upper() if action.upper() in ACTIONS else "SIG" + action.upper()
+        if point not in POINTS or not step.isdigit() or not (rank == "*" or rank.isdigit()) or not (
+                action in ACTIONS or hasattr(signal, action)):
             # SystemExit, not an exception: site.py would print and swallow an
             # exception, and the run would go on without its fault.
-            raise SystemExit(f"TRAINLIB_FAULTS item {item!r}: expected POINT:STEP[:RANK[:SIGNAL]] with POINT in "
-                             f"{POINTS}, RANK an integer or '*', SIGNAL a name such as KILL or TERM")
-        faults.append((i, point, int(step), rank, getattr(signal, "SIG" + sig.upper())))
+            raise SystemExit(f"TRAINLIB_FAULTS item {item!r}: expected POINT:STEP[:RANK[:ACTION]] with POINT in "
+                             f"{POINTS}, RANK an integer or '*', ACTION a signal name such as KILL or TERM, "
+                             f"or one of {ACTIONS}")
+        faults.append((i, point, int(step), rank, action))
     return faults
 
 
 def _fire(point: str, step: int) -> None:
     rank = int(os.environ.get("RANK", "0"))
-    for i, p, s, r, sig in FAULTS:
+    for i, p, s, r, action in FAULTS:
         if p != point or s != step or r not in ("*", str(rank)):
             continue
         marker = Path(os.environ["TRAINLIB_FAULT_DIR"]) / f"fault-{i}-rank{rank}"
@@ -75,8 +83,12 @@ def _fire(point: str, step: int) -> None:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             continue  # fired in an earlier launch
-        print(f"[fault injection] {sig.name} rank {rank} at {point} of step {step}", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), sig)
+        print(f"[fault injection] {action} rank {rank} at {point} of step {step}", file=sys.stderr, flush=True)
+        if action == "ENOSPC":
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        while action == "HANG":
+            time.sleep(3600)
+        os.kill(os.getpid(), getattr(signal, action))
 
 
 def _patch_checkpointer(module) -> None:
@@ -88,9 +100,9 @@ def _patch_checkpointer(module) -> None:
         maybe_save(self, step, last_step)
         _fire("after_step", step)
 
-    def save_(self):
-        save(self)
-        if self.cfg.async_mode != "disabled":
+    def save_(self, sync=False):
+        save(self, sync)
+        if self.cfg.async_mode != "disabled" and not sync:
             _fire("async_in_flight", self.train_state.step)
 
     def commit_(self, step):
