@@ -38,8 +38,11 @@ from typing import Any, Callable, Iterator, Literal
 import numpy as np
 import torch
 
+from trainlib.data.prepared import PreparedDataLoader, build_prepared_loader, is_prepared
+
 __all__ = [
     "DataConfig",
+    "DataLoader",
     "PackedDataLoader",
     "build_dataloader",
     "resolve_data_files",
@@ -74,6 +77,17 @@ class DataConfig:
     txt_sample_by: Literal["document", "paragraph", "line"] = field(
         default="document", metadata={"help": "how .txt files split into documents: whole file, blank-line paragraphs, or lines"}
     )
+    # Prepared data (folders written by `python -m trainlib.data.prepare`; see docs/data.md).
+    mixture: list[str] = field(
+        default_factory=list,
+        metadata={"help": "prepared folders with weights, 'DIR:WEIGHT' each, e.g. ['web:0.7', 'code:0.3']; "
+                          "exclusive with path and hf_dataset"},
+    )
+    shuffle_samples: bool = field(
+        default=False, metadata={"help": "prepared data: a new permutation of the windows each epoch (seed, epoch)"}
+    )
+    prefetch: int = field(default=2, metadata={"help": "prepared data: batches built ahead by a background thread; 0 = none"})
+    pin_memory: bool = field(default=True, metadata={"help": "prepared data: page-locked batches when CUDA is available"})
 
 
 # --------------------------------------------------------------------------- files
@@ -387,6 +401,10 @@ class PackedDataLoader:
             "position_ids": torch.from_numpy(positions),
         }
 
+    def tokens_seen_per_dataset(self) -> dict[str, int]:
+        """Input tokens the global batch has taken so far (all ranks), under the source's name."""
+        return {self._source.description: self.samples_consumed * self.seq_len}
+
     def state_dict(self) -> dict:
         epoch, doc_index, token_offset = self._stream.position()
         return {
@@ -444,6 +462,9 @@ class PackedDataLoader:
         )
 
 
+DataLoader = PackedDataLoader | PreparedDataLoader
+
+
 def build_dataloader(
     cfg: DataConfig,
     tokenizer: Any,
@@ -452,5 +473,12 @@ def build_dataloader(
     dp_rank: int = 0,
     dp_world: int = 1,
     seed: int = 0,
-) -> PackedDataLoader:
+) -> DataLoader:
+    """The loader over prepared data when ``data.path`` is a prepared folder or ``data.mixture``
+    is set; else the on-the-fly loader over raw files (or the shipped corpus)."""
+    if cfg.mixture or (cfg.path is not None and is_prepared(cfg.path)):
+        return build_prepared_loader(cfg, tokenizer, seq_len, local_batch_size, dp_rank, dp_world, seed)
+    if cfg.shuffle_samples:
+        raise ValueError("data.shuffle_samples applies to prepared data; raw files are shuffled by "
+                         "data.shuffle_documents=true (or prepare them: python -m trainlib.data.prepare)")
     return PackedDataLoader(cfg, tokenizer, seq_len, local_batch_size, dp_rank=dp_rank, dp_world=dp_world, seed=seed)
