@@ -8,8 +8,9 @@ A prepared folder, written by ``python -m trainlib.data.prepare`` (see docs/data
     shards/NAME.docs       int64 offset of each document's first token within the shard
 
 The corpus is the concatenation of the shards in manifest order; a shard holds whole
-documents. Files are memory-mapped on first use, so a rank reads only the pages of its
-own samples and its memory does not grow with the corpus.
+documents. A rank reads only its own samples' tokens (``pread``, so they never count into
+its RSS) and finds document starts by binary search in the memory-mapped offsets: its
+memory does not grow with the corpus.
 
 Sample ``c`` of one prepared dataset (``L = seq_len``, ``T`` tokens):
 
@@ -36,6 +37,7 @@ import threading
 import warnings
 import weakref
 import zlib
+from collections import OrderedDict
 from typing import Any
 
 import numpy as np
@@ -48,6 +50,7 @@ FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 SHARD_DIR = "shards"
 MIXTURE_BLOCK = 10_000
+OPEN_SHARDS = 64
 _STATE_VERSION = 1
 _M64 = (1 << 64) - 1
 
@@ -92,9 +95,10 @@ def read_manifest(folder: str) -> dict:
 
 
 class PreparedDataset:
-    """Token access into one prepared folder: O(log shards) per read, memory-mapped."""
+    """Token access into one prepared folder: O(log shards + log documents) per read."""
 
     def __init__(self, folder: str, tokenizer: Any, seq_len: int):
+        self._open: OrderedDict[int, tuple[int, np.ndarray]] = OrderedDict()
         folder = os.path.expanduser(folder)
         m = read_manifest(folder)
         if not m["complete"]:
@@ -107,7 +111,7 @@ class PreparedDataset:
                              f"(manifest vs run: {diff}): set --tokenizer.kind/--tokenizer.path to the manifest's "
                              "tokenizer or prepare the data again with this one")
         self.folder, self.manifest = folder, m
-        self.dtype = np.dtype(m["token_dtype"])
+        self.dtype = np.dtype(m["token_dtype"]).newbyteorder("<")
         self.names = [s["name"] for s in m["shards"]]
         sizes = [(s["tokens"], s["documents"]) for s in m["shards"]]
         for name, (n_tok, n_doc) in zip(self.names, sizes):
@@ -129,29 +133,44 @@ class PreparedDataset:
                              f"{folder!r} holds only {self.num_tokens}: lower seq_len or prepare more data")
         self.seq_len = seq_len
         self.windows_per_epoch = (self.num_tokens - 1) // seq_len  # whole windows, for shuffle_samples
-        self._maps: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 
-    def _shard(self, s: int) -> tuple[np.ndarray, np.ndarray]:
-        if s not in self._maps:
+    def _shard(self, s: int) -> tuple[int, np.ndarray]:
+        """(fd of the tokens file, memory-mapped document offsets) of shard ``s``; at most
+        ``OPEN_SHARDS`` stay open, so a corpus of many shards never runs out of descriptors."""
+        if s in self._open:
+            self._open.move_to_end(s)
+        else:
+            if len(self._open) >= OPEN_SHARDS:
+                fd, _ = self._open.popitem(last=False)[1]
+                os.close(fd)
             tok_path, doc_path = shard_paths(self.folder, self.names[s])
-            self._maps[s] = (np.memmap(tok_path, dtype=self.dtype, mode="r"),
-                             np.memmap(doc_path, dtype=np.int64, mode="r"))
-        return self._maps[s]
+            self._open[s] = (os.open(tok_path, os.O_RDONLY), np.memmap(doc_path, dtype="<i8", mode="r"))
+        return self._open[s]
 
     def read(self, start: int, tokens: np.ndarray, doc_start: np.ndarray) -> None:
         """Fill ``tokens`` from token ``start`` of the corpus repeated forever, and set
         ``doc_start`` True where a document begins."""
         n, filled, pos = len(tokens), 0, start % self.num_tokens
+        buf = np.empty(n, dtype=self.dtype)
         while filled < n:
             s = bisect.bisect_right(self.shard_starts, pos) - 1
             off = pos - self.shard_starts[s]
             take = min(n - filled, self.shard_starts[s + 1] - pos)
-            toks, docs = self._shard(s)
-            tokens[filled : filled + take] = toks[off : off + take]
+            fd, docs = self._shard(s)
+            # pread, not a memory map: the token pages a rank reads never count into its RSS
+            os.preadv(fd, [buf[:take]], off * self.dtype.itemsize)
+            tokens[filled : filled + take] = buf[:take]
             lo, hi = np.searchsorted(docs, (off, off + take))
             doc_start[docs[lo:hi] - off + filled] = True
             filled += take
             pos = (pos + take) % self.num_tokens
+
+    def close(self) -> None:
+        while self._open:
+            os.close(self._open.popitem()[1][0])
+
+    def __del__(self) -> None:
+        self.close()
 
 
 # --------------------------------------------------------------------------- shuffling
@@ -215,18 +234,14 @@ class Mixture:
             if w > 0 and c == 0:
                 raise ValueError(f"data.mixture weight {w} is below 1/{block} of the total {total}: it would never "
                                  "be sampled; raise it or drop that dataset")
-        # Smooth weighted round robin: each dataset's samples spread evenly over the block.
-        pattern, credit = [], [0] * len(counts)
-        for _ in range(block):
-            credit = [c + n for c, n in zip(credit, counts)]
-            i = max(range(len(counts)), key=lambda d: (credit[d], -d))
-            credit[i] -= block
-            pattern.append(i)
-        self.block, self.counts, self.pattern = block, counts, pattern
-        self.prefix = np.zeros((block + 1, len(counts)), dtype=np.int64)
-        for r, i in enumerate(pattern):
-            self.prefix[r + 1] = self.prefix[r]
-            self.prefix[r + 1, i] += 1
+        # Each dataset's j-th sample of the block goes at time (j + 1/2) / n_i: evenly spread.
+        ids = np.repeat(np.arange(len(counts)), counts)
+        times = np.concatenate([(np.arange(n) + 0.5) / n for n in counts if n])
+        self.block, self.counts = block, counts
+        self.pattern = ids[np.lexsort((ids, times))].tolist()
+        onehot = np.zeros((block, len(counts)), dtype=np.int64)
+        onehot[np.arange(block), self.pattern] = 1
+        self.prefix = np.concatenate([np.zeros((1, len(counts)), np.int64), np.cumsum(onehot, axis=0)])
 
     def locate(self, k: int) -> tuple[int, int]:
         q, r = divmod(k, self.block)
