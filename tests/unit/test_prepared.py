@@ -368,3 +368,27 @@ def test_prepared_data_errors(tmp_path, raw):
     tok_path.unlink()
     with pytest.raises(ValueError, match="is missing"):
         build()
+
+
+def test_train_on_a_mixture(tmp_path):
+    """The job in-process: data.mixture from the command line, tokens_seen_per_dataset in
+    metrics.jsonl, and bad prepared data as a ConfigError before any step."""
+    from trainlib.config import ConfigError, load_job_config
+    from trainlib.train import train
+
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    prep(a, [write_jsonl(tmp_path / "a.jsonl", DOCS * 10)])
+    prep(b, [write_jsonl(tmp_path / "b.jsonl", DOCS[::-1] * 10)])
+
+    def cfg(*extra):
+        return load_job_config(None, [f"--job.dump_folder={tmp_path / 'run'}", "--training.steps=3",
+                                      "--training.seq_len=32", "--training.global_batch_size=10",
+                                      "--metrics.log_freq=1", "--metrics.console=false", *extra])
+
+    records = train(cfg(f"--data.mixture=['{a}:0.7', '{b}:0.3']"))
+    logged = [json.loads(x)["tokens_seen_per_dataset"] for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert logged == [r["tokens_seen_per_dataset"] for r in records] == [{a: 7 * 32 * s, b: 3 * 32 * s} for s in (1, 2, 3)]
+    with pytest.raises(ConfigError, match="sum to 0"):
+        train(cfg(f"--data.mixture={a}:0,{b}:0"))
+    with pytest.raises(ConfigError, match="another tokenizer"):
+        train(cfg(f"--data.path={a}", f"--tokenizer.kind=hf", f"--tokenizer.path={hf_tokenizer(tmp_path)}"))

@@ -65,13 +65,14 @@ class DataConfig:
     path: str | None = field(
         default=None,
         metadata={"help": "local file, directory (its supported files, sorted) or glob of .jsonl/.json/.txt[.gz] "
-                          "or .parquet files; unset (with no hf_dataset) = the shipped corpus"},
+                          "or .parquet files, or a prepared folder (python -m trainlib.data.prepare; see "
+                          "docs/data.md); unset (with no hf_dataset) = the shipped corpus"},
     )
     hf_dataset: str | None = field(default=None, metadata={"help": "hub dataset name, streamed (needs network); exclusive with path"})
     hf_subset: str | None = field(default=None, metadata={"help": "hub dataset subset (config name)"})
     split: str = field(default="train", metadata={"help": "dataset split"})
     text_field: str = field(default="text", metadata={"help": "field holding each document's text"})
-    shuffle_documents: bool = field(default=False, metadata={"help": "shuffle document order each epoch (seed + epoch)"})
+    shuffle_documents: bool = field(default=False, metadata={"help": "raw files: shuffle document order each epoch (seed + epoch)"})
     # Streaming shuffle: bigger = closer to a full shuffle, more memory.
     shuffle_buffer_size: int = field(default=10_000, metadata={"help": "documents held by the streaming shuffle buffer"})
     txt_sample_by: Literal["document", "paragraph", "line"] = field(
