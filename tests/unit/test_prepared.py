@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from trainlib.data import ByteTokenizer, DataConfig, PreparedDataLoader, TokenizerConfig, build_dataloader
-from trainlib.data.prepare import STATE, main as prepare_main, prepare
+from trainlib.data.prepare import STATE, _Progress, _read_position, main as prepare_main, prepare
 from trainlib.data.prepared import MANIFEST, Mixture, permute, read_manifest, shard_paths, token_dtype
 
 BYTE = ByteTokenizer()
@@ -206,6 +206,26 @@ def test_prepare_hf_dataset(tmp_path, monkeypatch):
         prepare(str(tmp_path / "out2"), [], hf_dataset="org/other", progress=False)
 
 
+def test_progress_line(tmp_path, capsys):
+    """tokens/s, input read (bytes of finished sources + this file's read offset) and ETA;
+    at most one line per interval."""
+    path = tmp_path / "f.bin"
+    path.write_bytes(b"x" * 1000)
+    report = _Progress([1000, 1000, 2000], 1, True, interval=0.0)  # source 0 finished before a resume
+    with open(path, "rb", buffering=0) as f:
+        f.read(500)
+        assert _read_position(str(path)) == 500
+        report.tokens = 1234
+        time.sleep(0.01)
+        report.show(1, str(path))
+    err = capsys.readouterr().err
+    assert err.startswith("prepare: 1,234 tokens |") and "tokens/s" in err
+    assert "37.5% of input read | ETA 00:00:0" in err  # 12.5% of the input in ~0.01 s: 5/8 left
+    report.interval = 60
+    report.show(2, None)
+    assert capsys.readouterr().err == ""
+
+
 # --------------------------------------------------------------------------- loader
 
 
@@ -392,3 +412,9 @@ def test_train_on_a_mixture(tmp_path):
         train(cfg(f"--data.mixture={a}:0,{b}:0"))
     with pytest.raises(ConfigError, match="another tokenizer"):
         train(cfg(f"--data.path={a}", f"--tokenizer.kind=hf", f"--tokenizer.path={hf_tokenizer(tmp_path)}"))
+
+
+def test_on_the_fly_tokens_seen(raw):
+    dl = build_dataloader(DataConfig(path=str(raw)), BYTE, 8, 3)
+    take(dl, 2)
+    assert dl.tokens_seen_per_dataset() == {str(raw): 2 * 3 * 8}

@@ -23,6 +23,10 @@ always samples ``[s*G, (s+1)*G)`` -- whatever the DP degree and local batch size
 offset inside that document, samples consumed), so it is the same on every rank and
 can be loaded under another DP degree / local batch size as long as
 ``samples_consumed`` is a multiple of the new group size.
+
+This module reads raw files on the fly; ``build_dataloader`` returns the loader over
+prepared token shards (trainlib/data/prepared.py, same contract) when ``data.path`` is a
+prepared folder or ``data.mixture`` is set.
 """
 
 from __future__ import annotations
@@ -404,7 +408,8 @@ class PackedDataLoader:
 
     def tokens_seen_per_dataset(self) -> dict[str, int]:
         """Input tokens the global batch has taken so far (all ranks), under the source's name."""
-        return {self._source.description: self.samples_consumed * self.seq_len}
+        name = self.cfg.hf_dataset or self.cfg.path or DEFAULT_CORPUS_PATH
+        return {name: self.samples_consumed * self.seq_len}
 
     def state_dict(self) -> dict:
         epoch, doc_index, token_offset = self._stream.position()

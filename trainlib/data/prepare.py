@@ -124,16 +124,16 @@ def _read_position(path: str) -> int | None:
 
 
 class _Progress:
-    """A throttled stderr line: fraction of the input bytes read, tokens/s, ETA."""
+    """A throttled stderr line: tokens/s, and the fraction of the input bytes read with an ETA."""
 
-    def __init__(self, sizes: list[int] | None, enabled: bool, interval: float = 1.0):
+    def __init__(self, sizes: list[int] | None, first_source: int, enabled: bool, interval: float = 1.0):
         self.sizes, self.enabled, self.interval = sizes, enabled, interval
         self.t0 = self.last = time.perf_counter()
         self.tokens = 0  # written by this run
-        self.f0: float | None = None
+        self.f0 = self.fraction(first_source, None)  # read before this run (resume)
 
     def fraction(self, source: int, path: str | None) -> float | None:
-        if not self.sizes:
+        if not self.sizes or source >= len(self.sizes):
             return None
         pos = (_read_position(path) if path else None) or 0
         return (sum(self.sizes[:source]) + min(pos, self.sizes[source])) / max(sum(self.sizes), 1)
@@ -144,12 +144,11 @@ class _Progress:
             return
         self.last = now
         elapsed = now - self.t0
-        f = self.fraction(source, path) if source < len(self.sizes or []) else None
         line = f"prepare: {self.tokens:,} tokens | {self.tokens / elapsed:,.0f} tokens/s"
-        if f is not None:
-            self.f0 = f if self.f0 is None else self.f0
-            eta = elapsed * (1 - f) / (f - self.f0) if f > self.f0 else None
-            line += f" | {100 * f:.1f}% of input | ETA " + (time.strftime("%H:%M:%S", time.gmtime(eta)) if eta else "?")
+        f = self.fraction(source, path)
+        if f is not None and self.f0 is not None:
+            eta = time.strftime("%H:%M:%S", time.gmtime(elapsed * (1 - f) / (f - self.f0))) if f > self.f0 else "?"
+            line += f" | {100 * f:.1f}% of input read | ETA {eta}"
         print(line, file=sys.stderr, flush=True)
 
 
@@ -235,7 +234,7 @@ def prepare(out: str, sources: list[str], *, hf_dataset: str | None = None, hf_s
         for event in shards:
             record(event)
         record({"sources_done": sources_done})
-        report = _Progress([s["size"] for s in source_meta] if paths else None, progress)
+        report = _Progress([s["size"] for s in source_meta] if paths else None, sources_done, progress)
         done = {s["name"] for s in shards}
         pending: deque = deque()  # AsyncResults in chunk order, and ints: sources done after them
 

@@ -158,7 +158,8 @@ class PreparedDataset:
             take = min(n - filled, self.shard_starts[s + 1] - pos)
             fd, docs = self._shard(s)
             # pread, not a memory map: the token pages a rank reads never count into its RSS
-            os.preadv(fd, [buf[:take]], off * self.dtype.itemsize)
+            if os.preadv(fd, [buf[:take]], off * self.dtype.itemsize) != take * self.dtype.itemsize:
+                raise OSError(f"short read from shard {self.names[s]} of {self.folder}: changed since setup?")
             tokens[filled : filled + take] = buf[:take]
             lo, hi = np.searchsorted(docs, (off, off + take))
             doc_start[docs[lo:hi] - off + filled] = True
