@@ -198,12 +198,10 @@ def test_prepare_hf_dataset(tmp_path, monkeypatch):
     assert m["sources"] == [{"hf_dataset": "org/corpus", "hf_subset": "en", "split": "train"}]
     assert m["num_documents"] == len(DOCS)
 
-    def offline(*a, **kw):
-        raise ConnectionError("Couldn't reach 'org/corpus' on the Hub (OfflineModeIsEnabled)")
-
-    monkeypatch.setattr(datasets, "load_dataset", offline)
+    monkeypatch.undo()  # the real `datasets`, offline in the tests (conftest): a clear error, nothing written
     with pytest.raises(ValueError, match="--hf-dataset 'org/other' cannot be reached"):
         prepare(str(tmp_path / "out2"), [], hf_dataset="org/other", progress=False)
+    assert not (tmp_path / "out2").exists()
 
 
 def test_progress_line(tmp_path, capsys):

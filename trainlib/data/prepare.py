@@ -202,10 +202,15 @@ def prepare(out: str, sources: list[str], *, hf_dataset: str | None = None, hf_s
     common = dict(split=split, text_field=text_field, txt_sample_by=txt_sample_by)
     if hf_dataset is not None:
         paths: list[str] = []
-        inputs = [DataConfig(hf_dataset=hf_dataset, hf_subset=hf_subset, **common)]
+        inputs = [_DocumentSource(DataConfig(hf_dataset=hf_dataset, hf_subset=hf_subset, **common), 0)]
+        try:  # before anything is written
+            inputs[0]._load()
+        except ConnectionError as e:
+            raise ValueError(f"--hf-dataset {hf_dataset!r} cannot be reached ({e}): streaming needs the "
+                             "network; or download its files and pass them as SOURCE") from None
     else:
         paths = [f for s in sources for f in resolve_data_files(s)[1]]
-        inputs = [DataConfig(path=f, **common) for f in paths]
+        inputs = [_DocumentSource(DataConfig(path=f, **common), 0) for f in paths]
     out = os.path.expanduser(out)
     t0 = time.perf_counter()
     with multiprocessing.get_context("fork").Pool(workers, _init_worker, (tok_cfg,)) as pool:
@@ -250,12 +255,7 @@ def prepare(out: str, sources: list[str], *, hf_dataset: str | None = None, hf_s
 
         max_chars = int(shard_mb * 2**20)
         for si in range(sources_done, len(inputs)):
-            try:
-                texts = _DocumentSource(inputs[si], 0).documents(0)
-            except ConnectionError as e:
-                raise ValueError(f"--hf-dataset {hf_dataset!r} cannot be reached ({e}): streaming needs the "
-                                 "network; or download its files and pass them as SOURCE") from None
-            for ci, chunk in enumerate(_chunks(texts, max_chars)):
+            for ci, chunk in enumerate(_chunks(inputs[si].documents(0), max_chars)):
                 name = f"{si:05d}-{ci:06d}"
                 if name in done:  # finished before an interruption: read again, not tokenized
                     continue
