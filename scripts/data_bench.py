@@ -25,9 +25,22 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trainlib.data import DEFAULT_CORPUS_PATH, DataConfig, TokenizerConfig, build_dataloader  # noqa: E402
-from trainlib.data.prepare import prepare  # noqa: E402
-from trainlib.data.prepared import FORMAT, FORMAT_VERSION, MANIFEST, SHARD_DIR, shard_paths, token_dtype, tokenizer_identity  # noqa: E402
+from trainlib.data import (
+    DEFAULT_CORPUS_PATH,
+    DataConfig,
+    TokenizerConfig,
+    build_dataloader,
+)
+from trainlib.data.prepare import prepare
+from trainlib.data.prepared import (
+    FORMAT,
+    FORMAT_VERSION,
+    MANIFEST,
+    SHARD_DIR,
+    shard_paths,
+    token_dtype,
+    tokenizer_identity,
+)
 
 
 class SyntheticTokenizer:
@@ -74,7 +87,8 @@ def write_synthetic(out: str, n_tokens: int, vocab_size: int = 32000, mean_doc: 
 
 
 def _loader(folder: str, seq_len: int, batch: int, dp_rank: int, dp_world: int, shuffle: bool, prefetch: int = 0):
-    vocab = json.load(open(os.path.join(folder, MANIFEST)))["tokenizer"]["vocab_size"]
+    with open(os.path.join(folder, MANIFEST)) as f:
+        vocab = json.load(f)["tokenizer"]["vocab_size"]
     cfg = DataConfig(path=folder, shuffle_samples=shuffle, prefetch=prefetch)
     return build_dataloader(cfg, SyntheticTokenizer(vocab), seq_len, batch, dp_rank, dp_world, seed=0)
 
@@ -114,8 +128,12 @@ def rss(folder: str, seq_len: int = 2048, batch: int = 8, steps: int = 200) -> d
     dl = _loader(folder, seq_len, batch, 3, 8, shuffle=True, prefetch=2)
     for _ in range(steps):
         next(dl)
-    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
-    mib = lambda key: int(status[key].split()[0]) / 1024  # noqa: E731
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f)
+
+    def mib(key: str) -> float:
+        return int(status[key].split()[0]) / 1024
+
     shards = os.path.join(folder, SHARD_DIR)
     return {"corpus_gib": sum(os.path.getsize(os.path.join(shards, f)) for f in os.listdir(shards)) / 2**30,
             "rss_mib": mib("VmRSS"), "rss_anon_mib": mib("RssAnon"), "rss_file_mib": mib("RssFile"),

@@ -28,7 +28,8 @@ def corpora(bench, tmp_path):
 
 
 def _rss_mib():
-    status = dict(line.split(":", 1) for line in open("/proc/self/status"))
+    with open("/proc/self/status") as f:
+        status = dict(line.split(":", 1) for line in f)
     return int(status["VmRSS"].split()[0]) / 1024
 
 

@@ -11,9 +11,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from trainlib.data import ByteTokenizer, DataConfig, PreparedDataLoader, TokenizerConfig, build_dataloader
-from trainlib.data.prepare import STATE, _Progress, _read_position, main as prepare_main, prepare
-from trainlib.data.prepared import MANIFEST, Mixture, permute, read_manifest, shard_paths, token_dtype
+from trainlib.data import (
+    ByteTokenizer,
+    DataConfig,
+    PreparedDataLoader,
+    TokenizerConfig,
+    build_dataloader,
+)
+from trainlib.data.prepare import STATE, _Progress, _read_position, prepare
+from trainlib.data.prepare import main as prepare_main
+from trainlib.data.prepared import (
+    MANIFEST,
+    Mixture,
+    permute,
+    read_manifest,
+    shard_paths,
+    token_dtype,
+)
 
 BYTE = ByteTokenizer()
 DOCS = [
@@ -30,8 +44,7 @@ TINY_SHARDS = 60 / 2**20  # --shard-mb giving a shard every few documents
 
 def write_jsonl(path: Path, docs) -> str:
     with open(path, "w", encoding="utf-8") as f:
-        for d in docs:
-            f.write(json.dumps({"text": d}) + "\n")
+        f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
     return str(path)
 
 
@@ -125,8 +138,7 @@ def test_prepare_resumes_after_interruption(tmp_path, raw):
     (out / MANIFEST).write_text(json.dumps(manifest))
     with open(out / STATE, "w") as f:
         f.write(json.dumps({"sources_done": 0}) + "\n")
-        for s in full["shards"][:3]:
-            f.write(json.dumps(s) + "\n")
+        f.writelines(json.dumps(s) + "\n" for s in full["shards"][:3])
         f.write('{"name": "00000-0000')  # torn write
     tok4, _ = shard_paths(str(out), names[4])
     with open(tok4, "r+b") as f:
@@ -409,7 +421,7 @@ def test_train_on_a_mixture(tmp_path):
     with pytest.raises(ConfigError, match="sum to 0"):
         train(cfg(f"--data.mixture={a}:0,{b}:0"))
     with pytest.raises(ConfigError, match="another tokenizer"):
-        train(cfg(f"--data.path={a}", f"--tokenizer.kind=hf", f"--tokenizer.path={hf_tokenizer(tmp_path)}"))
+        train(cfg(f"--data.path={a}", "--tokenizer.kind=hf", f"--tokenizer.path={hf_tokenizer(tmp_path)}"))
 
 
 def test_on_the_fly_tokens_seen(raw):

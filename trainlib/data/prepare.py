@@ -27,7 +27,8 @@ import os
 import sys
 import time
 from collections import deque
-from typing import Any, Iterator
+from collections.abc import Iterator
+from typing import Any
 
 import numpy as np
 
@@ -198,8 +199,7 @@ def prepare(out: str, sources: list[str], *, hf_dataset: str | None = None, hf_s
     if not shard_mb > 0:
         raise ValueError(f"--shard-mb={shard_mb} must be > 0")
     tok = build_tokenizer(tok_cfg)
-    dtype_name = token_dtype(tok.vocab_size)
-    common = dict(split=split, text_field=text_field, txt_sample_by=txt_sample_by)
+    common = {"split": split, "text_field": text_field, "txt_sample_by": txt_sample_by}
     if hf_dataset is not None:
         paths: list[str] = []
         inputs = [_DocumentSource(DataConfig(hf_dataset=hf_dataset, hf_subset=hf_subset, **common), 0)]
@@ -221,7 +221,7 @@ def prepare(out: str, sources: list[str], *, hf_dataset: str | None = None, hf_s
         else:
             source_meta = [{"hf_dataset": hf_dataset, "hf_subset": hf_subset, "split": split}]
         manifest = {"format": FORMAT, "format_version": FORMAT_VERSION, "tokenizer": tokenizer_identity(tok),
-                    "token_dtype": dtype_name, "options": {**common, "shard_mb": shard_mb},
+                    "token_dtype": token_dtype(tok.vocab_size), "options": {**common, "shard_mb": shard_mb},
                     "sources": source_meta}
         manifest["corpus_id"] = hashlib.sha256(json.dumps(_identity(manifest), sort_keys=True).encode()).hexdigest()
         manifest.update(complete=False, num_tokens=0, num_documents=0, shards=[])
@@ -229,45 +229,10 @@ def prepare(out: str, sources: list[str], *, hf_dataset: str | None = None, hf_s
         if manifest["complete"]:
             print(f"prepare: {out} already holds this corpus, complete", file=sys.stderr)
             return manifest
-        state = open(os.path.join(out, STATE), "w", encoding="utf-8")  # rewritten: drops a torn last line
-
-        def record(event: dict) -> None:
-            state.write(json.dumps(event) + "\n")
-            state.flush()
-            os.fsync(state.fileno())
-
-        for event in shards:
-            record(event)
-        record({"sources_done": sources_done})
         report = _Progress([s["size"] for s in source_meta] if paths else None, sources_done, progress)
-        done = {s["name"] for s in shards}
-        pending: deque = deque()  # AsyncResults in chunk order, and ints: sources done after them
-
-        def retire() -> None:
-            item = pending.popleft()
-            if isinstance(item, int):
-                record({"sources_done": item})
-                return
-            meta = item.get()
-            shards.append(meta)
-            report.tokens += meta["tokens"]
-            record(meta)
-
-        max_chars = int(shard_mb * 2**20)
-        for si in range(sources_done, len(inputs)):
-            for ci, chunk in enumerate(_chunks(inputs[si].documents(0), max_chars)):
-                name = f"{si:05d}-{ci:06d}"
-                if name in done:  # finished before an interruption: read again, not tokenized
-                    continue
-                pending.append(pool.apply_async(_write_shard, (out, name, dtype_name, chunk)))
-                while len(pending) > workers:  # bounds the text held in memory to ~workers+1 chunks
-                    retire()
-                report.show(si, paths[si] if paths else None)
-            pending.append(si + 1)
-        while pending:
-            retire()
-            report.show(len(inputs), None)
-    state.close()
+        with open(os.path.join(out, STATE), "w", encoding="utf-8") as state:  # rewritten: drops a torn line
+            _tokenize(pool, out, manifest["token_dtype"], inputs, paths, shards, sources_done, state, report,
+                      workers, int(shard_mb * 2**20))
     manifest.update(sources=source_meta, shards=shards, complete=True, num_tokens=sum(s["tokens"] for s in shards),
                     num_documents=sum(s["documents"] for s in shards))
     _write_manifest(out, manifest)
@@ -275,9 +240,50 @@ def prepare(out: str, sources: list[str], *, hf_dataset: str | None = None, hf_s
     elapsed = time.perf_counter() - t0
     if progress:
         print(f"prepare: wrote {out}: {manifest['num_tokens']:,} tokens, {manifest['num_documents']:,} documents, "
-              f"{len(shards)} shards ({dtype_name}); this run {report.tokens:,} tokens in {elapsed:.1f} s = "
-              f"{report.tokens / elapsed:,.0f} tokens/s with {workers} workers", file=sys.stderr)
+              f"{len(shards)} shards ({manifest['token_dtype']}); this run {report.tokens:,} tokens in "
+              f"{elapsed:.1f} s = {report.tokens / elapsed:,.0f} tokens/s with {workers} workers", file=sys.stderr)
     return manifest
+
+
+def _tokenize(pool: Any, out: str, dtype_name: str, inputs: list[_DocumentSource], paths: list[str],
+              shards: list[dict], sources_done: int, state: Any, report: _Progress, workers: int,
+              max_chars: int) -> None:
+    """Read the sources from ``sources_done`` on, have the pool write the shards not in
+    ``shards`` yet, and append each finished shard (in chunk order) to ``shards`` and ``state``."""
+
+    def record(event: dict) -> None:
+        state.write(json.dumps(event) + "\n")
+        state.flush()
+        os.fsync(state.fileno())
+
+    for event in [*shards, {"sources_done": sources_done}]:
+        record(event)
+    done = {s["name"] for s in shards}
+    pending: deque = deque()  # AsyncResults in chunk order, and ints: sources done after them
+
+    def retire() -> None:
+        item = pending.popleft()
+        if isinstance(item, int):
+            record({"sources_done": item})
+            return
+        meta = item.get()
+        shards.append(meta)
+        report.tokens += meta["tokens"]
+        record(meta)
+
+    for si in range(sources_done, len(inputs)):
+        for ci, chunk in enumerate(_chunks(inputs[si].documents(0), max_chars)):
+            name = f"{si:05d}-{ci:06d}"
+            if name in done:  # finished before an interruption: read again, not tokenized
+                continue
+            pending.append(pool.apply_async(_write_shard, (out, name, dtype_name, chunk)))
+            while len(pending) > workers:  # bounds the text held in memory to ~workers+1 chunks
+                retire()
+            report.show(si, paths[si] if paths else None)
+        pending.append(si + 1)
+    while pending:
+        retire()
+        report.show(len(inputs), None)
 
 
 DESCRIPTION = """Tokenize a corpus once into memory-mappable token shards plus a manifest; train on it

@@ -267,7 +267,7 @@ def _prefetch(ref: weakref.ref, q: queue.Queue, stop: threading.Event, step: int
             return
         try:
             item: Any = loader._batch(step)
-        except BaseException as e:  # handed to the consumer, which raises it with its traceback
+        except Exception as e:  # handed to the consumer, which raises it with its traceback
             item = e
         del loader
         while True:
@@ -277,7 +277,7 @@ def _prefetch(ref: weakref.ref, q: queue.Queue, stop: threading.Event, step: int
             except queue.Full:
                 if stop.is_set() or ref() is None:
                     return
-        if isinstance(item, BaseException):
+        if isinstance(item, Exception):
             return
         step += 1
 
@@ -342,7 +342,7 @@ class PreparedDataLoader:
 
     # -- iteration
 
-    def __iter__(self) -> "PreparedDataLoader":
+    def __iter__(self) -> PreparedDataLoader:
         return self
 
     def __next__(self) -> dict[str, torch.Tensor]:
@@ -357,7 +357,7 @@ class PreparedDataLoader:
                                                 args=(weakref.ref(self), self._queue, self._stop, step))
                 self._thread.start()
             batch = self._queue.get()
-            if isinstance(batch, BaseException):
+            if isinstance(batch, Exception):
                 self._thread = None
                 raise batch
         self.samples_consumed += self.group_size
