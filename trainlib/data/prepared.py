@@ -258,9 +258,11 @@ class Mixture:
 # --------------------------------------------------------------------------- loader
 
 
-def _prefetch(ref: weakref.ref, q: queue.Queue, stop: threading.Event, step: int) -> None:
+def _prefetch(ref: weakref.ref, q: queue.Queue, stop: threading.Event, step: int, cuda_device: int | None) -> None:
     # Holds the loader only while building a batch, so an abandoned loader is collected
     # and this thread ends.
+    if cuda_device is not None:  # pin through this rank's GPU, not by creating a context on GPU 0
+        torch.cuda.set_device(cuda_device)
     while not stop.is_set():
         loader = ref()
         if loader is None:
@@ -308,6 +310,7 @@ class PreparedDataLoader:
         ident = [[d.manifest["corpus_id"], w] for d, w in zip(datasets, weights)]
         self.corpus_crc = zlib.crc32(json.dumps(ident).encode())
         self.prefetch, self.pin_memory = int(prefetch), bool(pin_memory)
+        self._cuda_device = torch.cuda.current_device() if self.pin_memory else None
         self.samples_consumed = 0
         self._thread: threading.Thread | None = None
 
@@ -354,7 +357,8 @@ class PreparedDataLoader:
                 self._queue: queue.Queue = queue.Queue(maxsize=self.prefetch)
                 self._stop = threading.Event()
                 self._thread = threading.Thread(target=_prefetch, daemon=True, name="trainlib-data-prefetch",
-                                                args=(weakref.ref(self), self._queue, self._stop, step))
+                                                args=(weakref.ref(self), self._queue, self._stop, step,
+                                                      self._cuda_device))
                 self._thread.start()
             batch = self._queue.get()
             if isinstance(batch, Exception):
