@@ -20,6 +20,7 @@ from trainlib.data import (
 )
 from trainlib.data.prepare import STATE, _Progress, _read_position, prepare
 from trainlib.data.prepare import main as prepare_main
+from trainlib.data import prepared
 from trainlib.data.prepared import (
     MANIFEST,
     Mixture,
@@ -46,6 +47,12 @@ def write_jsonl(path: Path, docs) -> str:
     with open(path, "w", encoding="utf-8") as f:
         f.writelines(json.dumps({"text": d}) + "\n" for d in docs)
     return str(path)
+
+
+@pytest.fixture(autouse=True)
+def small_doc_stride(monkeypatch):
+    """Blocks of 3 document offsets: windows here span several blocks (1024 in real use)."""
+    monkeypatch.setattr(prepared, "DOC_STRIDE", 3)
 
 
 @pytest.fixture

@@ -8,9 +8,9 @@ A prepared folder, written by ``python -m trainlib.data.prepare`` (see docs/data
     shards/NAME.docs       int64 offset of each document's first token within the shard
 
 The corpus is the concatenation of the shards in manifest order; a shard holds whole
-documents. A rank reads only its own samples' tokens (``pread``, so they never count into
-its RSS) and finds document starts by binary search in the memory-mapped offsets: its
-memory does not grow with the corpus.
+documents. A rank reads only its own samples' tokens and document offsets, with ``pread``
+(nothing is memory-mapped, so pages read never count into its RSS); it keeps in RAM every
+``DOC_STRIDE``-th document offset of the shards it touched (8 bytes per 1024 documents).
 
 Sample ``c`` of one prepared dataset (``L = seq_len``, ``T`` tokens):
 
@@ -51,6 +51,7 @@ MANIFEST = "manifest.json"
 SHARD_DIR = "shards"
 MIXTURE_BLOCK = 10_000
 OPEN_SHARDS = 64
+DOC_STRIDE = 1024
 _STATE_VERSION = 1
 _M64 = (1 << 64) - 1
 
@@ -94,11 +95,20 @@ def read_manifest(folder: str) -> dict:
 # --------------------------------------------------------------------------- one dataset
 
 
+def _pread(fd: int, out: np.ndarray, index: int) -> np.ndarray:
+    """Fill ``out`` with the items from ``index`` on of the raw array in file ``fd``."""
+    if os.preadv(fd, [out], index * out.itemsize) != out.nbytes:
+        raise OSError(f"short read of {out.nbytes} bytes at item {index}: a shard changed since setup?")
+    return out
+
+
 class PreparedDataset:
-    """Token access into one prepared folder: O(log shards + log documents) per read."""
+    """Token access into one prepared folder: per read, two binary searches in RAM (shard, block
+    of documents) and two ``pread``s (tokens, that block's document offsets)."""
 
     def __init__(self, folder: str, tokenizer: Any, seq_len: int):
-        self._open: OrderedDict[int, tuple[int, np.ndarray]] = OrderedDict()
+        self._open: OrderedDict[int, tuple[int, int]] = OrderedDict()
+        self._sparse: dict[int, np.ndarray] = {}
         folder = os.path.expanduser(folder)
         m = read_manifest(folder)
         if not m["complete"]:
@@ -113,6 +123,7 @@ class PreparedDataset:
         self.folder, self.manifest = folder, m
         self.dtype = np.dtype(m["token_dtype"]).newbyteorder("<")
         self.names = [s["name"] for s in m["shards"]]
+        self.documents = [s["documents"] for s in m["shards"]]
         sizes = [(s["tokens"], s["documents"]) for s in m["shards"]]
         for name, (n_tok, n_doc) in zip(self.names, sizes):
             for path, want_bytes in zip(shard_paths(folder, name), (n_tok * self.dtype.itemsize, n_doc * 8)):
@@ -134,33 +145,37 @@ class PreparedDataset:
         self.seq_len = seq_len
         self.windows_per_epoch = (self.num_tokens - 1) // seq_len  # whole windows, for shuffle_samples
 
-    def _shard(self, s: int) -> tuple[int, np.ndarray]:
-        """(fd of the tokens file, memory-mapped document offsets) of shard ``s``; at most
-        ``OPEN_SHARDS`` stay open, so a corpus of many shards never runs out of descriptors."""
+    def _shard(self, s: int) -> tuple[int, int, np.ndarray]:
+        """fds of shard ``s``'s tokens and document offsets, and its sparse offsets (every
+        ``DOC_STRIDE``-th); at most ``OPEN_SHARDS`` stay open, so a corpus of many shards
+        never runs out of descriptors."""
         if s in self._open:
             self._open.move_to_end(s)
         else:
             if len(self._open) >= OPEN_SHARDS:
-                fd, _ = self._open.popitem(last=False)[1]
-                os.close(fd)
-            tok_path, doc_path = shard_paths(self.folder, self.names[s])
-            self._open[s] = (os.open(tok_path, os.O_RDONLY), np.memmap(doc_path, dtype="<i8", mode="r"))
-        return self._open[s]
+                for fd in self._open.popitem(last=False)[1]:
+                    os.close(fd)
+            self._open[s] = tuple(os.open(p, os.O_RDONLY) for p in shard_paths(self.folder, self.names[s]))
+        fd_tok, fd_doc = self._open[s]
+        if s not in self._sparse:
+            self._sparse[s] = np.array([_pread(fd_doc, np.empty(1, "<i8"), d)[0]
+                                        for d in range(0, self.documents[s], DOC_STRIDE)])
+        return fd_tok, fd_doc, self._sparse[s]
 
     def read(self, start: int, tokens: np.ndarray, doc_start: np.ndarray) -> None:
         """Fill ``tokens`` from token ``start`` of the corpus repeated forever, and set
         ``doc_start`` True where a document begins."""
         n, filled, pos = len(tokens), 0, start % self.num_tokens
-        buf = np.empty(n, dtype=self.dtype)
         while filled < n:
             s = bisect.bisect_right(self.shard_starts, pos) - 1
             off = pos - self.shard_starts[s]
             take = min(n - filled, self.shard_starts[s + 1] - pos)
-            fd, docs = self._shard(s)
-            # pread, not a memory map: the token pages a rank reads never count into its RSS
-            if os.preadv(fd, [buf[:take]], off * self.dtype.itemsize) != take * self.dtype.itemsize:
-                raise OSError(f"short read from shard {self.names[s]} of {self.folder}: changed since setup?")
-            tokens[filled : filled + take] = buf[:take]
+            fd_tok, fd_doc, sparse = self._shard(s)
+            tokens[filled : filled + take] = _pread(fd_tok, np.empty(take, self.dtype), off)
+            # the documents starting in [off, off + take) lie in these blocks of DOC_STRIDE
+            b0, b1 = np.searchsorted(sparse, off, "right") - 1, np.searchsorted(sparse, off + take)
+            first = int(b0) * DOC_STRIDE
+            docs = _pread(fd_doc, np.empty(min(int(b1) * DOC_STRIDE, self.documents[s]) - first, "<i8"), first)
             lo, hi = np.searchsorted(docs, (off, off + take))
             doc_start[docs[lo:hi] - off + filled] = True
             filled += take
@@ -168,7 +183,8 @@ class PreparedDataset:
 
     def close(self) -> None:
         while self._open:
-            os.close(self._open.popitem()[1][0])
+            for fd in self._open.popitem()[1]:
+                os.close(fd)
 
     def __del__(self) -> None:
         self.close()
