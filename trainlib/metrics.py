@@ -5,8 +5,9 @@ step, loss, grad_norm, lr, tokens_per_second (global), step_time_s, tflops
 (achieved per device), mfu (null where the device's peak is unknown),
 peak_memory_gib. Add fields; never rename these.
 Added fields: mfu_basis ("bf16_peak": the denominator of mfu, whatever the
-matmul precision) and matmul_precision ("float8" when float8 linears run,
-else "default").
+matmul precision), matmul_precision ("float8" when float8 linears run,
+else "default") and tokens_seen_per_dataset ({dataset name: input tokens of
+the global batch since step 0}, from the data loader; see docs/data.md).
 
 To add a field the loop measures, pass it to `MetricsLogger.log` as a keyword
 (`log(step, loss=..., grad_norm=..., lr=..., val_loss=...)`): it is written to

@@ -25,7 +25,7 @@ from trainlib.build import build_model_parts
 from trainlib.checkpoint import Checkpointer, ModelState, OptimizerState, TrainState
 from trainlib.config import ConfigError, JobConfig, load_job_config, save_config
 from trainlib.config.validate import resolve_local_batch_size, validate_job
-from trainlib.data import PackedDataLoader, build_dataloader, build_tokenizer
+from trainlib.data import DataLoader, build_dataloader, build_tokenizer
 from trainlib.distributed import DistInfo, destroy_distributed, init_distributed, set_collective_timeout
 from trainlib.float8 import float8_post_optimizer_step
 from trainlib.loss import count_targets, cross_entropy_sum
@@ -49,7 +49,7 @@ class Job:
     model_parts: list[nn.Module]  # one model, or this rank's pipeline stages
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    loader: PackedDataLoader
+    loader: DataLoader
     metrics: MetricsLogger
     grad_accum: int
     run_dir: Path
@@ -153,7 +153,8 @@ def train_loop(job: Job) -> list[dict]:
             if pp_mesh is not None:  # only last-stage ranks computed a loss; the others hold 0
                 dist.all_reduce(loss_sum, group=pp_mesh.get_group())
             records.append(job.metrics.log(step, loss=loss_sum.item(), grad_norm=grad_norm.item(),
-                                           lr=job.scheduler.get_last_lr()[0]))
+                                           lr=job.scheduler.get_last_lr()[0],
+                                           tokens_seen_per_dataset=job.loader.tokens_seen_per_dataset()))
         job.checkpointer.maybe_save(step, t.steps)
     job.checkpointer.close()
     if cfg.checkpoint.export_hf:

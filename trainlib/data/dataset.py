@@ -23,6 +23,10 @@ always samples ``[s*G, (s+1)*G)`` -- whatever the DP degree and local batch size
 offset inside that document, samples consumed), so it is the same on every rank and
 can be loaded under another DP degree / local batch size as long as
 ``samples_consumed`` is a multiple of the new group size.
+
+This module reads raw files on the fly; ``build_dataloader`` returns the loader over
+prepared token shards (trainlib/data/prepared.py, same contract) when ``data.path`` is a
+prepared folder or ``data.mixture`` is set.
 """
 
 from __future__ import annotations
@@ -38,8 +42,11 @@ from typing import Any, Callable, Iterator, Literal
 import numpy as np
 import torch
 
+from trainlib.data.prepared import PreparedDataLoader, build_prepared_loader, is_prepared
+
 __all__ = [
     "DataConfig",
+    "DataLoader",
     "PackedDataLoader",
     "build_dataloader",
     "resolve_data_files",
@@ -62,18 +69,30 @@ class DataConfig:
     path: str | None = field(
         default=None,
         metadata={"help": "local file, directory (its supported files, sorted) or glob of .jsonl/.json/.txt[.gz] "
-                          "or .parquet files; unset (with no hf_dataset) = the shipped corpus"},
+                          "or .parquet files, or a prepared folder (python -m trainlib.data.prepare; see "
+                          "docs/data.md); unset (with no hf_dataset) = the shipped corpus"},
     )
     hf_dataset: str | None = field(default=None, metadata={"help": "hub dataset name, streamed (needs network); exclusive with path"})
     hf_subset: str | None = field(default=None, metadata={"help": "hub dataset subset (config name)"})
     split: str = field(default="train", metadata={"help": "dataset split"})
     text_field: str = field(default="text", metadata={"help": "field holding each document's text"})
-    shuffle_documents: bool = field(default=False, metadata={"help": "shuffle document order each epoch (seed + epoch)"})
+    shuffle_documents: bool = field(default=False, metadata={"help": "raw files: shuffle document order each epoch (seed + epoch)"})
     # Streaming shuffle: bigger = closer to a full shuffle, more memory.
     shuffle_buffer_size: int = field(default=10_000, metadata={"help": "documents held by the streaming shuffle buffer"})
     txt_sample_by: Literal["document", "paragraph", "line"] = field(
         default="document", metadata={"help": "how .txt files split into documents: whole file, blank-line paragraphs, or lines"}
     )
+    # Prepared data (folders written by `python -m trainlib.data.prepare`; see docs/data.md).
+    mixture: list[str] = field(
+        default_factory=list,
+        metadata={"help": "prepared folders with weights, 'DIR:WEIGHT' each, e.g. ['web:0.7', 'code:0.3']; "
+                          "exclusive with path and hf_dataset"},
+    )
+    shuffle_samples: bool = field(
+        default=False, metadata={"help": "prepared data: a new permutation of the windows each epoch (seed, epoch)"}
+    )
+    prefetch: int = field(default=2, metadata={"help": "prepared data: batches built ahead by a background thread; 0 = none"})
+    pin_memory: bool = field(default=True, metadata={"help": "prepared data: page-locked batches when CUDA is available"})
 
 
 # --------------------------------------------------------------------------- files
@@ -387,6 +406,11 @@ class PackedDataLoader:
             "position_ids": torch.from_numpy(positions),
         }
 
+    def tokens_seen_per_dataset(self) -> dict[str, int]:
+        """Input tokens the global batch has taken so far (all ranks), under the source's name."""
+        name = self.cfg.hf_dataset or self.cfg.path or DEFAULT_CORPUS_PATH
+        return {name: self.samples_consumed * self.seq_len}
+
     def state_dict(self) -> dict:
         epoch, doc_index, token_offset = self._stream.position()
         return {
@@ -444,6 +468,9 @@ class PackedDataLoader:
         )
 
 
+DataLoader = PackedDataLoader | PreparedDataLoader
+
+
 def build_dataloader(
     cfg: DataConfig,
     tokenizer: Any,
@@ -452,5 +479,12 @@ def build_dataloader(
     dp_rank: int = 0,
     dp_world: int = 1,
     seed: int = 0,
-) -> PackedDataLoader:
+) -> DataLoader:
+    """The loader over prepared data when ``data.path`` is a prepared folder or ``data.mixture``
+    is set; else the on-the-fly loader over raw files (or the shipped corpus)."""
+    if cfg.mixture or (cfg.path is not None and is_prepared(cfg.path)):
+        return build_prepared_loader(cfg, tokenizer, seq_len, local_batch_size, dp_rank, dp_world, seed)
+    if cfg.shuffle_samples:
+        raise ValueError("data.shuffle_samples applies to prepared data; raw files are shuffled by "
+                         "data.shuffle_documents=true (or prepare them: python -m trainlib.data.prepare)")
     return PackedDataLoader(cfg, tokenizer, seq_len, local_batch_size, dp_rank=dp_rank, dp_world=dp_world, seed=seed)
