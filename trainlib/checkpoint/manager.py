@@ -23,6 +23,9 @@ under its key (see `trainlib.checkpoint.state`). `trainlib.train` registers
               so a different DP degree can resume without skipping or repeating samples
   trainer     step, tokens seen, torch's CPU (and CUDA) generator state of one rank,
               and the model shape (used by `trainlib.convert`)
+  guard       the non-finite/spike guard's budget counts and loss window (trainlib.guard)
+
+A save is refused (TrainingStopped, on every rank) when any part holds a NaN or Inf.
 """
 
 from __future__ import annotations
