@@ -99,7 +99,10 @@ class Guard:
 
     def __init__(self, cfg: GuardConfig, optimizer: torch.optim.Optimizer, device: torch.device):
         self.cfg, self.optimizer = cfg, optimizer
-        self.device_gate = all(g.get("fused") for g in optimizer.param_groups)
+        # Fused AdamW reads `found_inf` where the parameters live; with them offloaded
+        # to the CPU that would be an unsynchronised copy from the GPU: gate on the host.
+        self.device_gate = all(g.get("fused") and all(p.device == device for p in g["params"])
+                               for g in optimizer.param_groups)
         self.host_gate = not self.device_gate and "skip" in (cfg.on_nonfinite, cfg.on_spike)
         self.window = torch.full((cfg.spike_window,), math.nan, device=device)  # ring of good losses
         self.n_good = torch.zeros((), dtype=torch.long, device=device)
