@@ -22,8 +22,9 @@ class OptimizerConfig:
     beta2: float = 0.95
     eps: float = 1e-8
     weight_decay: float = 0.1
-    # foreach is the fast default that works for plain tensors and DTensors
-    # alike; fused needs every parameter on one accelerator device type.
+    # foreach is the default, for plain tensors and DTensors alike. fused (one
+    # kernel per device and dtype) runs on CPU and with DTensors too, and lets
+    # the guard withhold an update without a host sync (trainlib.guard).
     implementation: Literal["foreach", "fused", "for-loop"] = "foreach"
 
     def __post_init__(self) -> None:
