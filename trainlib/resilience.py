@@ -8,7 +8,8 @@ runs alongside the step instead of after it. Every rank gets the same result
 for the same step, so all of them stop after the same step even when the
 signal reaches them at different times (a signal that arrives during step s is
 acted on after step s+1). The loop then saves a checkpoint synchronously on
-every rank and raises `Preempted`: the process exits with EXIT_PREEMPTED.
+every rank and raises `trainlib.errors.Preempted`: the process exits with
+EXIT_PREEMPTED (75).
 
 Hang watchdog (`[watchdog]`). A thread per rank watches the time since the
 step started. The limit is max(min_seconds, step_factor x the median of this
@@ -23,8 +24,8 @@ its Python stacks (faulthandler, all threads) and torch's flight recorder (the
 collectives it entered, per group) into `<run>/hang/`, and reports where it is.
 The rank that marked the hang prints one line naming the rank(s) that did not
 arrive and the collective the others wait in; every rank then exits with
-EXIT_HUNG. The watchdog thread needs the GIL: a rank stuck in C++ while holding
-it cannot report (it is named as "did not report").
+EXIT_HUNG (124). The watchdog thread needs the GIL: a rank stuck in C++
+while holding it cannot report (it is named as "did not report").
 """
 
 from __future__ import annotations
@@ -45,10 +46,10 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from trainlib.errors import EXIT_HUNG, ConfigError
+
 logger = logging.getLogger("trainlib")
 
-EXIT_PREEMPTED = 75  # sysexits.h EX_TEMPFAIL: "try again later" (scripts/slurm.sbatch requeues)
-EXIT_HUNG = 124  # as timeout(1) when its command timed out
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _HANG_KEY = "trainlib/hang"
 _MONITOR = "trainlib_monitor"  # the description of StepMonitor's process group
@@ -64,21 +65,9 @@ class WatchdogConfig:
 
     def __post_init__(self) -> None:
         if not self.step_factor > 1:
-            raise ValueError(f"watchdog.step_factor must be > 1 (a multiple of the median step time), got {self.step_factor}")
+            raise ConfigError(f"watchdog.step_factor must be > 1 (a multiple of the median step time), got {self.step_factor}")
         if not self.min_seconds > 0:
-            raise ValueError(f"watchdog.min_seconds must be > 0, got {self.min_seconds}")
-
-
-class Preempted(SystemExit):
-    """Raised once the preemption checkpoint is written; uncaught, the process exits with EXIT_PREEMPTED."""
-
-    def __init__(self, step: int):
-        super().__init__(EXIT_PREEMPTED)
-        self.step = step
-
-    def __str__(self) -> str:
-        return (f"preempted (SIGTERM or SIGUSR1): stopped after step {self.step}, its checkpoint is saved; "
-                f"exit code {EXIT_PREEMPTED}, launch the same command again to continue")
+            raise ConfigError(f"watchdog.min_seconds must be > 0, got {self.min_seconds}")
 
 
 class Preemption:
@@ -87,7 +76,9 @@ class Preemption:
     def __init__(self, group: dist.ProcessGroup | None):
         self.group = group  # None: a world of one
         self.received: signal.Signals | None = None
+        # On the CPU whatever the device: reading it (through a numpy view) never waits for a GPU.
         self._flag = torch.zeros(1, dtype=torch.int32)
+        self._flag_view = self._flag.numpy()
         self._work = None
         self._previous = {}
         if threading.current_thread() is threading.main_thread():  # Python allows handlers only there
@@ -108,7 +99,7 @@ class Preemption:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        return bool(self._flag.item())
+        return bool(self._flag_view[0])
 
     def close(self) -> None:
         for sig, previous in self._previous.items():
@@ -318,6 +309,10 @@ class StepMonitor:
         self._steps_done = 0
         self._t0 = 0.0
         self._window: list[float] = []  # this rank's step times since the last spread()
+        # CPU tensors for spread()'s all-gather, read through numpy views (no device sync, as for the flag)
+        self._mine = torch.zeros(1, dtype=torch.float64)
+        self._times = [self._mine] if self.group is None else [torch.zeros(1, dtype=torch.float64) for _ in range(self.world)]
+        self._views = [t.numpy() for t in self._times]
 
     def start_step(self, step: int) -> None:
         self.preemption.start_step()
@@ -336,13 +331,11 @@ class StepMonitor:
 
     def spread(self) -> dict:
         """Slowest and fastest rank by mean step time since the last call (start to end of step, this rank's clock)."""
-        mine = torch.tensor([sum(self._window) / max(len(self._window), 1)], dtype=torch.float64)
+        self._mine.fill_(sum(self._window) / max(len(self._window), 1))
         self._window = []
-        times = [mine]
         if self.group is not None:
-            times = [torch.zeros_like(mine) for _ in range(self.world)]
-            dist.all_gather(times, mine, group=self.group)
-        times = [t.item() for t in times]
+            dist.all_gather(self._times, self._mine, group=self.group)
+        times = [float(view[0]) for view in self._views]
         slow, fast = max(range(self.world), key=times.__getitem__), min(range(self.world), key=times.__getitem__)
         return {"step_time_max_s": times[slow], "step_time_max_rank": slow,
                 "step_time_min_s": times[fast], "step_time_min_rank": fast}

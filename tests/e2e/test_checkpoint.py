@@ -21,7 +21,7 @@ import pytest
 
 from tests.helpers import REPO, fault_env, run_cli
 from trainlib.checkpoint import complete_steps, incomplete_folders
-from trainlib.resilience import EXIT_HUNG, EXIT_PREEMPTED
+from trainlib.errors import EXIT_HUNG, EXIT_PREEMPTED
 
 STEPS = 8
 
@@ -307,8 +307,11 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_with_a_checkpo
     extra = ["--checkpoint.interval=3"]
     proc = _run(folder, layout, extra, fault="after_update:3:1:TERM")
     assert proc.stderr.count(f"exitcode  : {EXIT_PREEMPTED}") >= 1, proc.stderr[-3000:]
-    assert "stopped after step 4, its checkpoint is saved" in proc.stdout
+    assert proc.stderr.count("trainlib: preempted: SIGTERM or SIGUSR1: stopped after step 4, its checkpoint is saved") == 1
     assert complete_steps(folder / "checkpoint") == [3, 4] and _steps(folder) == [1, 2, 3, 4]
+    for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()):  # per-rank step-time spread
+        assert r["step_time_max_s"] >= r["step_time_min_s"] > 0 and r["step_time_max_rank"] in (0, 1), r
+        assert r["step_time_min_rank"] == 1 - r["step_time_max_rank"] or r["step_time_max_s"] == r["step_time_min_s"], r
     proc = _run(folder, layout, extra)
     assert "step-4 (step 4" in proc.stdout
     assert _curve(folder) == straight(layout)

@@ -99,3 +99,24 @@ def test_manifest_detects_truncated_and_missing_files_and_load_falls_back(tmp_pa
     model2, opt2, sched2, ck2 = _job(tmp_path, interval=1)
     assert ck2.load() == 1
     assert complete_steps(ck.root) == [1] and (ck.root / "step-3.corrupt").is_dir()
+
+
+@pytest.mark.parametrize("poison", ["weight", "moment"])
+def test_a_checkpoint_with_a_non_finite_value_is_refused(tmp_path, poison):
+    from trainlib.checkpoint import incomplete_folders
+    from trainlib.errors import TrainingStopped
+
+    model, opt, sched, ck = _job(tmp_path, interval=1)
+    _train_step(model, opt, sched)
+    ck.maybe_save(1, last_step=3)
+    _train_step(model, opt, sched)
+    with torch.no_grad():  # a NaN that got past the guard some other way
+        if poison == "weight":
+            model.layers["1"].attention.wq.weight[3, 5] = float("inf")
+        else:
+            opt.state[model.norm.weight]["exp_avg_sq"][0] = float("nan")
+    name = "model.layers.1.attention.wq.weight" if poison == "weight" else "optimizer.state.norm.weight.exp_avg_sq"
+    with pytest.raises(TrainingStopped, match=rf"^checkpoint of step 2 refused: 1 tensors hold NaN or Inf "
+                                              rf"\(this rank: {name}\); the latest complete checkpoint stays step 1$"):
+        ck.maybe_save(2, last_step=3)
+    assert complete_steps(ck.root) == [1] and incomplete_folders(ck.root) == []
