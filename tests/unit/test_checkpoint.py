@@ -120,3 +120,13 @@ def test_a_checkpoint_with_a_non_finite_value_is_refused(tmp_path, poison):
                                               rf"\(this rank: {name}\); the latest complete checkpoint stays step 1$"):
         ck.maybe_save(2, last_step=3)
     assert complete_steps(ck.root) == [1] and incomplete_folders(ck.root) == []
+
+
+def test_retention_never_deletes_the_checkpoint_just_committed(tmp_path):
+    model, opt, sched, ck = _job(tmp_path, interval=2)
+    for step in (2, 4):
+        ck.maybe_save(step, last_step=4)
+    model, opt, sched, ck = _job(tmp_path, interval=2, keep_latest_k=1, load_step=2)
+    assert ck.load() == 2
+    ck.maybe_save(3, last_step=3)  # back in time: step 3 is older than step 4
+    assert complete_steps(ck.root) == [3, 4]

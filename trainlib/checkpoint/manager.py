@@ -427,17 +427,17 @@ class Checkpointer:
         if final.exists():  # re-saving a step after load_step went back in time
             shutil.rmtree(final)
         os.replace(tmp, final)
-        self._apply_retention()
+        self._apply_retention(step)
 
-    def _apply_retention(self) -> None:
-        """Keep the newest keep_latest_k complete checkpoints, and those whose
-        step is a multiple of keep_every. The newest (just committed) is never
-        deleted, so neither is the only complete one."""
+    def _apply_retention(self, committed: int) -> None:
+        """Keep the newest keep_latest_k complete checkpoints, those whose step
+        is a multiple of keep_every, and the one just committed (older than
+        others after load_step went back in time), so never the only one."""
         k, every = self.cfg.keep_latest_k, self.cfg.keep_every
         if not k:
             return
         for old in complete_steps(self.root)[:-k]:
-            if not (every and old % every == 0):
+            if old != committed and not (every and old % every == 0):
                 shutil.rmtree(step_folder(self.root, old), ignore_errors=True)
 
     def export_hf(self, out_dir: str | os.PathLike) -> None:
