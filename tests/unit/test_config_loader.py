@@ -12,7 +12,11 @@ from pathlib import Path
 from typing import Literal, Optional
 
 import pytest
-import tomllib
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10: the tomli backport, a dependency there
+    import tomli as tomllib
 
 # Load loader.py by path rather than via ``trainlib.config``: the package
 # __init__ pulls in the full job schema (and through it torch-using modules),
