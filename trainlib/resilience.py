@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import faulthandler
 import json
-import logging
 import os
 import signal
 import statistics
@@ -47,8 +46,6 @@ import torch
 import torch.distributed as dist
 
 from trainlib.errors import EXIT_HUNG, ConfigError
-
-logger = logging.getLogger("trainlib")
 
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
 _HANG_KEY = "trainlib/hang"
