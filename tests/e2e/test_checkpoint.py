@@ -248,7 +248,7 @@ def _next_kill(rng: random.Random, i: int, latest: int, last_step: int, interval
     """(async_mode, fault) of the i-th killed launch, which resumes after step
     `latest`: the first kill is during a synchronous save, the second during
     an asynchronous one, the others anywhere; always at a step the launch
-    reaches, on a random rank."""
+    reaches, on a random rank (rank 0 before a commit)."""
     if i == 0:
         mode, point = "disabled", "mid_write"
     elif i == 1:
@@ -259,7 +259,8 @@ def _next_kill(rng: random.Random, i: int, latest: int, last_step: int, interval
                            + (["async_in_flight"] if mode == "async" else []))
     steps = {"after_update": range(latest + 1, last_step + 1), "after_step": range(latest + 1, last_step)}.get(
         point, range(latest + interval, last_step + 1, interval))  # save points: the saves still to come
-    return mode, f"{point}:{rng.choice(steps)}:{rng.randrange(2)}"
+    # before_commit kills the committing rank: on rank 1 (whose commit is empty) rank 0 may commit first.
+    return mode, f"{point}:{rng.choice(steps)}:{0 if point == 'before_commit' else rng.randrange(2)}"
 
 
 def _random_kills(tmp_path, straight, kills: int, steps: int) -> None:
