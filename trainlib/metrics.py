@@ -10,7 +10,7 @@ matmul precision), matmul_precision ("float8" when float8 linears run,
 else "default"), tokens_seen (global input tokens since step 0),
 tokens_seen_per_dataset ({dataset name: input tokens of the global batch since
 step 0}, from the data loader; see docs/data.md), and on validation steps
-val_loss and val_perplexity (trainlib.validate).
+val_loss and val_perplexity (trainlib.validation).
 
 To add a field the loop measures, pass it to `MetricsLogger.log` as a keyword
 (`log(step, loss=..., grad_norm=..., lr=..., val_loss=...)`): it is written to
@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import contextlib
 import datetime
-import importlib.util
 import json
 import logging
 import math
@@ -64,15 +63,6 @@ class MetricsConfig:
     def __post_init__(self) -> None:
         if self.log_freq < 1:
             raise ValueError(f"metrics.log_freq must be >= 1, got {self.log_freq}")
-
-
-def check_backends(cfg: MetricsConfig) -> None:
-    """A one-line error, on every rank and before the model is built, when an
-    enabled backend's package is missing."""
-    for enabled, package in ((cfg.enable_tensorboard, "tensorboard"), (cfg.enable_wandb, "wandb")):
-        if enabled and importlib.util.find_spec(package) is None:
-            raise ValueError(f"metrics.enable_{package} = true needs the {package} package, which is not installed: "
-                             f"pip install 'trainlib[{package}]', or set metrics.enable_{package} = false")
 
 
 # Added fields shown on the console line (every field goes to the files), in this order.
@@ -182,7 +172,6 @@ class MetricsLogger:
         self.flops_per_token, self.world_size = flops_per_token, world_size
         self.peak = device_peak_flops(device)
         self.start_step, self.total_steps, self.tokens_seen = start_step, total_steps, tokens_seen
-        check_backends(cfg)
         self._file = None
         self._backends: list[_TensorBoard | _WandB] = []
         if rank == 0 and run_dir is not None:

@@ -26,12 +26,12 @@ from trainlib.build import build_model_parts
 from trainlib.checkpoint import Checkpointer, ModelState, OptimizerState, TrainState
 from trainlib.checkpoint.manager import latest_step, step_folder
 from trainlib.config import ConfigError, JobConfig, config_to_dict, load_job_config, save_config
-from trainlib.config.validate import resolve_local_batch_size, validate_job
+from trainlib.config.validate import resolve_local_batch_size, validate_job, validate_machine
 from trainlib.data import DataLoader, build_dataloader, build_tokenizer
 from trainlib.distributed import DistInfo, destroy_distributed, init_distributed, set_collective_timeout
 from trainlib.float8 import float8_post_optimizer_step
 from trainlib.loss import count_targets, cross_entropy_sum
-from trainlib.metrics import MetricsLogger, check_backends, setup_logging
+from trainlib.metrics import MetricsLogger, setup_logging
 from trainlib.models.registry import get_model_spec, model_args
 from trainlib.optim import build_lr_scheduler, build_optimizer
 from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
@@ -73,7 +73,7 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
     tokenizer = build_tokenizer(cfg.tokenizer)
     validate_job(cfg, dims, model_args(cfg.model), tokenizer.vocab_size)
-    check_backends(cfg.metrics)
+    validate_machine(cfg, info.device)
     local_bs, grad_accum = resolve_local_batch_size(cfg, dims)
     dims.build_mesh(info.device.type)
 
