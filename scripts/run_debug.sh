@@ -7,9 +7,10 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 . scripts/venv.sh report,tensorboard
 export OMP_NUM_THREADS=1 HF_DATASETS_OFFLINE=1 HF_HUB_OFFLINE=1
+watch=(--validation.enable=true --metrics.enable_tensorboard=true)  # later arguments override these
 nproc=1
 if [[ "${1:-}" =~ ^[0-9]+$ ]]; then nproc=$1; shift; fi
 if [ "$nproc" -eq 1 ]; then
-  exec python -m trainlib.train --recipe debug "$@"
+  exec python -m trainlib.train --recipe debug "${watch[@]}" "$@"
 fi
-exec torchrun --standalone --nproc-per-node="$nproc" -m trainlib.train --recipe debug "$@"
+exec torchrun --standalone --nproc-per-node="$nproc" -m trainlib.train --recipe debug "${watch[@]}" "$@"
