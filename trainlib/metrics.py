@@ -72,13 +72,14 @@ _NOT_SCALARS = ("step", "time")
 
 
 def scalars(record: dict) -> dict[str, float]:
-    """The record's numeric fields, a dict of numbers flattened to `name/key`."""
+    """The record's numeric fields, a dict of numbers flattened to `name/key` (a key's own slashes, as in a
+    dataset's path, become `_`: both backends group tags at every slash)."""
     out = {}
     for k, v in record.items():
         if k in _NOT_SCALARS:
             continue
         if isinstance(v, dict):
-            out.update({f"{k}/{name}": x for name, x in v.items() if _is_number(x)})
+            out.update({f"{k}/{name.strip('/').replace('/', '_')}": x for name, x in v.items() if _is_number(x)})
         elif _is_number(v):
             out[k] = v
     return out

@@ -41,9 +41,9 @@ def test_added_fields_are_recorded_and_cannot_shadow_the_contract_only_some_are_
 
 def test_scalars_are_the_numeric_fields_with_dicts_flattened():
     record = {"step": 3, "time": 1.0, "loss": 2.0, "mfu": None, "mfu_basis": "bf16_peak", "tokens_seen": 10,
-              "flag": True, "tokens_seen_per_dataset": {"web": 6, "code": 4}}
+              "flag": True, "tokens_seen_per_dataset": {"web": 6, "/data/code.jsonl": 4}}
     assert scalars(record) == {"loss": 2.0, "tokens_seen": 10, "tokens_seen_per_dataset/web": 6,
-                               "tokens_seen_per_dataset/code": 4}
+                               "tokens_seen_per_dataset/data_code.jsonl": 4}
 
 
 def test_console_lines_and_end_of_training_summary(tmp_path, capsys):
