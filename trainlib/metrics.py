@@ -17,6 +17,12 @@ To add a field the loop measures, pass it to `MetricsLogger.log` as a keyword
 metrics.jsonl under that name, and to TensorBoard / W&B when numeric (a dict of
 numbers as `name/key` scalars). The console line shows only the fields in
 CONSOLE_FIELDS, so that per-dataset or per-rank fields do not flood it.
+
+Every line is valid JSON: a NaN or infinite value (a non-finite loss, say) is
+written as null, and the record's `nonfinite` field maps each such key to its
+value as text (`{"loss": "nan", "grad_norm": "inf"}`). Records written at one
+point without a step in between (the guard's event records, trainlib.guard)
+share the timing fields of the window that ends there.
 """
 
 from __future__ import annotations
@@ -37,6 +43,7 @@ from typing import Iterator, Literal
 
 import torch
 
+from trainlib.errors import ConfigError
 from trainlib.hardware import gpu_of_device
 
 logger = logging.getLogger("trainlib")
@@ -62,11 +69,11 @@ class MetricsConfig:
 
     def __post_init__(self) -> None:
         if self.log_freq < 1:
-            raise ValueError(f"metrics.log_freq must be >= 1, got {self.log_freq}")
+            raise ConfigError(f"metrics.log_freq must be >= 1, got {self.log_freq}")
 
 
 # Added fields shown on the console line (every field goes to the files), in this order.
-CONSOLE_FIELDS = {"val_loss": "val_loss {:.4f}"}
+CONSOLE_FIELDS = {"val_loss": "val_loss {:.4f}", "event": "{}", "action": "{}"}  # the last two: trainlib.guard
 # Numeric record fields that are not metrics: the x axis, and wall-clock time (each backend keeps its own).
 _NOT_SCALARS = ("step", "time")
 
@@ -189,6 +196,7 @@ class MetricsLogger:
         self._tokens_run = 0  # this process's, for the summary
         self._eta_origin: tuple[float, int] | None = None  # (time, step) of the first log
         self._summary: dict = {}
+        self._last_window: tuple[float, int, float] | None = None  # (seconds, steps, tokens/s)
 
     def should_log(self, step: int, last_step: int) -> bool:
         return step % self.cfg.log_freq == 0 or step == last_step or step == 1
@@ -212,9 +220,10 @@ class MetricsLogger:
     def log(self, step: int, *, loss: float, grad_norm: float, lr: float, **fields: float) -> dict:
         """Write one record: the contract fields, then `fields` (added names, never a contract name)."""
         now = time.perf_counter()
-        elapsed = max(now - self._window_start, 1e-9)
-        steps = max(self._window_steps, 1)
-        tps = self._window_tokens / elapsed
+        if self._window_steps or self._last_window is None:
+            elapsed = max(now - self._window_start, 1e-9)
+            self._last_window = elapsed, max(self._window_steps, 1), self._window_tokens / elapsed
+        elapsed, steps, tps = self._last_window
         tflops = tps / self.world_size * self.flops_per_token / 1e12
         record = {
             "step": step,
@@ -237,15 +246,19 @@ class MetricsLogger:
         if clash:
             raise TypeError(f"MetricsLogger.log: {sorted(clash)} are built-in fields; give added fields new names")
         record.update(fields)
+        line = self._console_line(record, now) if self.rank == 0 and self.cfg.console else None  # nan as nan
+        nonfinite = {k: repr(v) for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
+        if nonfinite:
+            record.update(dict.fromkeys(nonfinite), nonfinite=nonfinite)
         if self.rank == 0:
             if self._file is not None:
-                self._file.write(json.dumps(record) + "\n")
+                self._file.write(json.dumps(record, allow_nan=False) + "\n")
                 self._file.flush()
             values = scalars(record)
             for backend in self._backends:
                 backend.write(step, values)
-            if self.cfg.console:
-                logger.info(self._console_line(record, now))
+            if line:
+                logger.info(line)
         self._window_start, self._window_steps, self._window_tokens = now, 0, 0
         return record
 

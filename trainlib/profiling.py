@@ -25,6 +25,8 @@ from pathlib import Path
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
+from trainlib.errors import ConfigError
+
 logger = logging.getLogger("trainlib")
 
 # Allocation events the memory history keeps (a ring buffer): enough for a few steps of a large model.
@@ -49,9 +51,9 @@ class ProfilingConfig:
         for key, low in (("profile_freq", 1), ("profile_warmup", 0), ("profile_active", 1), ("profile_windows", 0),
                          ("memory_snapshot_step", 1)):
             if getattr(self, key) < low:
-                raise ValueError(f"profiling.{key} must be >= {low}, got {getattr(self, key)}")
+                raise ConfigError(f"profiling.{key} must be >= {low}, got {getattr(self, key)}")
         if self.profile_warmup + self.profile_active > self.profile_freq:
-            raise ValueError(
+            raise ConfigError(
                 f"profiling.profile_warmup ({self.profile_warmup}) + profile_active ({self.profile_active}) must "
                 f"fit in profile_freq ({self.profile_freq}) steps; raise profile_freq or shorten the window")
 

@@ -23,6 +23,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from trainlib.data import DEFAULT_VALIDATION_PATH, DataConfig, build_dataloader
+from trainlib.errors import ConfigError
 from trainlib.loss import count_targets
 from trainlib.parallel.cp import shard_batch
 from trainlib.parallel.parallel_dims import ParallelDims
@@ -43,7 +44,7 @@ class ValidationConfig:
     def __post_init__(self) -> None:
         for key in ("interval", "steps"):
             if getattr(self, key) < 1:
-                raise ValueError(f"validation.{key} must be >= 1, got {getattr(self, key)}")
+                raise ConfigError(f"validation.{key} must be >= 1, got {getattr(self, key)}")
 
 
 class Validator:

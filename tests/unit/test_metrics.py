@@ -156,3 +156,24 @@ def test_other_ranks_write_nothing(tmp_path):
     m.log(1, loss=1.0, grad_norm=1.0, lr=1.0)
     m.close()
     assert list(tmp_path.iterdir()) == []
+
+
+def test_non_finite_values_stay_valid_json_and_records_at_one_point_share_the_window(tmp_path, capsys):
+    setup_logging(0)
+    m = MetricsLogger(MetricsConfig(log_freq=1), tmp_path, rank=0, device=torch.device("cpu"),
+                      flops_per_token=1e6, world_size=1)
+    for _ in range(3):
+        m.step_done(1000)
+    # The guard logs an earlier event step, then the log step, with no step in between.
+    event = m.log(2, loss=float("nan"), grad_norm=float("inf"), lr=1e-3, event="nonfinite")
+    logged = m.log(3, loss=2.0, grad_norm=0.5, lr=1e-3)
+    m.close()
+    lines = (tmp_path / "metrics.jsonl").read_text().splitlines()
+    first = json.loads(lines[0], parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl: not JSON"))
+    assert (first["loss"], first["grad_norm"]) == (None, None)
+    assert first["nonfinite"] == {"loss": "nan", "grad_norm": "inf"} and first["event"] == "nonfinite"
+    assert "nonfinite" not in json.loads(lines[1])
+    for key in ("tokens_per_second", "step_time_s", "tflops"):
+        assert event[key] == logged[key] and logged[key] > 0, key
+    event_line = capsys.readouterr().out.splitlines()[0]  # the console shows the values themselves
+    assert "| loss     nan | grad_norm     inf |" in event_line and event_line.endswith("| nonfinite")
