@@ -38,6 +38,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from trainlib.errors import ConfigError
+
 logger = logging.getLogger("trainlib")
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -74,7 +76,7 @@ def check_float8_hardware(cfg: Float8Config, device: torch.device) -> None:
         return  # CPU has torch._scaled_mm; emulation runs anywhere
     cap = torch.cuda.get_device_capability(device)
     if cap < (8, 9):
-        raise ValueError(
+        raise ConfigError(
             f"float8.enable needs float8 matmuls (CUDA compute capability >= 8.9: Ada, Hopper, Blackwell), "
             f"but {torch.cuda.get_device_name(device)} is sm_{cap[0]}{cap[1]}; set float8.enable=false, "
             f"or float8.emulate=true to test numerics without a speed-up"
@@ -107,7 +109,7 @@ def convert_float8(model: nn.Module, cfg: Float8Config, *, fsdp: bool) -> list[s
 
     convert_to_float8_training(model, config=config, module_filter_fn=keep)
     if not converted:
-        raise ValueError(
+        raise ConfigError(
             f"float8.enable is set but no linear layer was converted (filter_fqns={cfg.filter_fqns}, and dims must "
             f"be multiples of 16); narrow float8.filter_fqns or set float8.enable=false"
         )

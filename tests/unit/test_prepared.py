@@ -9,6 +9,7 @@ import time
 from pathlib import Path
 
 import pytest
+from trainlib.errors import ConfigError
 import torch
 
 from trainlib.data import (
@@ -154,7 +155,7 @@ def test_prepare_resumes_after_interruption(tmp_path, raw):
     kept = {n: os.stat(shard_paths(str(out), n)[0]).st_mtime_ns for n in names[:3]}
     time.sleep(0.01)
 
-    with pytest.raises(ValueError, match="unfinished.*rerun"):
+    with pytest.raises(ConfigError, match="unfinished.*rerun"):
         build_dataloader(DataConfig(path=str(out)), BYTE, 8, 2)
     done = prep(out, [raw], workers=2)
     assert done["complete"] and not (out / STATE).exists() and not Path(tok4 + ".tmp").exists()
@@ -186,9 +187,9 @@ def test_prepare_resumes_after_interruption(tmp_path, raw):
 def test_prepare_refuses_another_corpus(tmp_path, raw, capsys):
     out = tmp_path / "out"
     prep(out, [raw / "a.jsonl"])
-    with pytest.raises(ValueError, match=r"holds another prepared corpus \(its sources differ"):
+    with pytest.raises(ConfigError, match=r"holds another prepared corpus \(its sources differ"):
         prep(out, [raw / "b.jsonl"])
-    with pytest.raises(ValueError, match=r"its tokenizer, options differ"):
+    with pytest.raises(ConfigError, match=r"its tokenizer, options differ"):
         prep(out, [raw / "a.jsonl"], tokenizer=TokenizerConfig(kind="hf", path=hf_tokenizer(tmp_path)),
              shard_mb=1.0)
     (tmp_path / "other").mkdir()
@@ -218,7 +219,7 @@ def test_prepare_hf_dataset(tmp_path, monkeypatch):
     assert m["num_documents"] == len(DOCS)
 
     monkeypatch.undo()  # the real `datasets`, offline in the tests (conftest): a clear error, nothing written
-    with pytest.raises(ValueError, match="--hf-dataset 'org/other' cannot be reached"):
+    with pytest.raises(ConfigError, match="--hf-dataset 'org/other' cannot be reached"):
         prepare(str(tmp_path / "out2"), [], hf_dataset="org/other", progress=False)
     assert not (tmp_path / "out2").exists()
 
@@ -269,9 +270,9 @@ def test_mixture_counts_are_exact_and_o1():
         assert m.samples_before(k + 1) == seen
     assert Mixture([1, 1, 1], block=10).counts == [4, 3, 3]  # largest remainder
     assert Mixture([2, 0, 1], block=10).counts == [7, 0, 3]
-    with pytest.raises(ValueError, match="sum to 0"):
+    with pytest.raises(ConfigError, match="sum to 0"):
         Mixture([0.0, 0.0])
-    with pytest.raises(ValueError, match="below 1/10000"):
+    with pytest.raises(ConfigError, match="below 1/10000"):
         Mixture([1e-9, 1.0])
 
 
@@ -304,7 +305,7 @@ def test_shuffle_samples(tmp_path, raw):
         got = global_steps(new, 2)
         for k in ("input", "labels", "position_ids"):
             assert torch.equal(torch.cat([g[k] for g in got]), ref[s][k]), (s, k)
-    with pytest.raises(ValueError, match=r"samples_consumed=60 is not a multiple of dp_world\*local_batch_size"):
+    with pytest.raises(ConfigError, match=r"samples_consumed=60 is not a multiple of dp_world\*local_batch_size"):
         build_dataloader(cfg, BYTE, L, 7, 0, 2, seed=5).load_state_dict(sd)
 
 
@@ -375,35 +376,35 @@ def test_prepared_data_errors(tmp_path, raw):
     def build(tok=BYTE, seq_len=8, **kw):
         return build_dataloader(DataConfig(**{"path": str(out), **kw}), tok, seq_len, 2)
 
-    with pytest.raises(ValueError, match=r"training\.seq_len=5000 needs windows of 5001 tokens.*holds only"):
+    with pytest.raises(ConfigError, match=r"training\.seq_len=5000 needs windows of 5001 tokens.*holds only"):
         build(seq_len=5000)
-    with pytest.raises(ValueError, match=r"another tokenizer than this run's \(manifest vs run: kind 'byte' vs 'hf'"):
+    with pytest.raises(ConfigError, match=r"another tokenizer than this run's \(manifest vs run: kind 'byte' vs 'hf'"):
         from trainlib.data import build_tokenizer
 
         build(tok=build_tokenizer(TokenizerConfig(kind="hf", path=hf_tokenizer(tmp_path))))
-    with pytest.raises(ValueError, match="shuffle_documents applies to raw files"):
+    with pytest.raises(ConfigError, match="shuffle_documents applies to raw files"):
         build(shuffle_documents=True)
-    with pytest.raises(ValueError, match="shuffle_samples applies to prepared data"):
+    with pytest.raises(ConfigError, match="shuffle_samples applies to prepared data"):
         build_dataloader(DataConfig(path=str(raw), shuffle_samples=True), BYTE, 8, 2)
-    with pytest.raises(ValueError, match="exclusive"):
+    with pytest.raises(ConfigError, match="exclusive"):
         build(mixture=[f"{out}:1"])
-    with pytest.raises(ValueError, match="sum to 0"):
+    with pytest.raises(ConfigError, match="sum to 0"):
         build(path=None, mixture=[f"{out}:0", f"{out}:0.0"])
-    with pytest.raises(ValueError, match=r"'DIR:WEIGHT' with a finite weight >= 0"):
+    with pytest.raises(ConfigError, match=r"'DIR:WEIGHT' with a finite weight >= 0"):
         build(path=None, mixture=[f"{out}:-1"])
-    with pytest.raises(ValueError, match="'DIR:WEIGHT'"):
+    with pytest.raises(ConfigError, match="'DIR:WEIGHT'"):
         build(path=None, mixture=[str(out)])
-    with pytest.raises(ValueError, match="is not a prepared folder"):
+    with pytest.raises(ConfigError, match="is not a prepared folder"):
         build(path=None, mixture=[f"{raw}:1"])
-    with pytest.raises(ValueError, match="saved by the on-the-fly loader"):
+    with pytest.raises(ConfigError, match="saved by the on-the-fly loader"):
         build().load_state_dict(build_dataloader(DataConfig(path=str(raw)), BYTE, 8, 2).state_dict())
     tok_path = Path(shard_paths(str(out), m["shards"][1]["name"])[0])
     data = tok_path.read_bytes()
     tok_path.write_bytes(data[:-2])
-    with pytest.raises(ValueError, match=r"has \d+ bytes, the manifest records \d+: the folder is damaged"):
+    with pytest.raises(ConfigError, match=r"has \d+ bytes, the manifest records \d+: the folder is damaged"):
         build()
     tok_path.unlink()
-    with pytest.raises(ValueError, match="is missing"):
+    with pytest.raises(ConfigError, match="is missing"):
         build()
 
 

@@ -32,6 +32,7 @@ from typing import Any
 
 import numpy as np
 
+from trainlib.errors import ConfigError
 from trainlib.data.dataset import DataConfig, _DocumentSource, resolve_data_files
 from trainlib.data.prepared import (
     FORMAT,
@@ -160,7 +161,7 @@ def _open_out(out: str, manifest: dict) -> tuple[dict, list[dict], int]:
         ours, theirs = _identity(manifest), _identity(old)
         if ours != theirs:
             diff = ", ".join(k for k in _IDENTITY_KEYS if ours[k] != theirs[k])
-            raise ValueError(f"--out {out!r} holds another prepared corpus (its {diff} differ from this command's): "
+            raise ConfigError(f"--out {out!r} holds another prepared corpus (its {diff} differ from this command's): "
                              "choose another --out, or delete that folder to replace it")
         if old["complete"]:
             return old, old["shards"], len(old["sources"])
@@ -178,7 +179,7 @@ def _open_out(out: str, manifest: dict) -> tuple[dict, list[dict], int]:
                         shards.append(event)
         return old, shards, sources_done
     if os.path.isdir(out) and os.listdir(out):
-        raise ValueError(f"--out {out!r} is not empty and holds no prepared corpus ({MANIFEST}): choose an empty "
+        raise ConfigError(f"--out {out!r} is not empty and holds no prepared corpus ({MANIFEST}): choose an empty "
                          "or new folder")
     os.makedirs(os.path.join(out, SHARD_DIR), exist_ok=True)
     _write_manifest(out, manifest)
@@ -190,14 +191,14 @@ def prepare(out: str, sources: list[str], *, hf_dataset: str | None = None, hf_s
             tokenizer: TokenizerConfig | None = None, workers: int = 1, shard_mb: float = 64.0,
             progress: bool = True) -> dict:
     """Tokenize ``sources`` (or the hub dataset) into the prepared folder ``out``; returns its manifest.
-    Raises ValueError for bad input."""
+    Raises ConfigError for bad input."""
     tok_cfg = tokenizer or TokenizerConfig()
     if bool(sources) == (hf_dataset is not None):
-        raise ValueError("give either SOURCE paths or --hf-dataset NAME (exactly one of them)")
+        raise ConfigError("give either SOURCE paths or --hf-dataset NAME (exactly one of them)")
     if workers < 1:
-        raise ValueError(f"--workers={workers} must be >= 1")
+        raise ConfigError(f"--workers={workers} must be >= 1")
     if not shard_mb > 0:
-        raise ValueError(f"--shard-mb={shard_mb} must be > 0")
+        raise ConfigError(f"--shard-mb={shard_mb} must be > 0")
     tok = build_tokenizer(tok_cfg)
     common = {"split": split, "text_field": text_field, "txt_sample_by": txt_sample_by}
     if hf_dataset is not None:
@@ -206,7 +207,7 @@ def prepare(out: str, sources: list[str], *, hf_dataset: str | None = None, hf_s
         try:  # before anything is written
             inputs[0]._load()
         except ConnectionError as e:
-            raise ValueError(f"--hf-dataset {hf_dataset!r} cannot be reached ({e}): streaming needs the "
+            raise ConfigError(f"--hf-dataset {hf_dataset!r} cannot be reached ({e}): streaming needs the "
                              "network; or download its files and pass them as SOURCE") from None
     else:
         paths = [f for s in sources for f in resolve_data_files(s)[1]]
@@ -313,7 +314,7 @@ def main(argv: list[str] | None = None) -> int:
                 text_field=a.text_field, txt_sample_by=a.txt_sample_by,
                 tokenizer=TokenizerConfig(kind=a.tokenizer_kind, path=a.tokenizer_path), workers=a.workers,
                 shard_mb=a.shard_mb, progress=not a.quiet)
-    except ValueError as e:
+    except ConfigError as e:
         print(f"prepare: error: {e}", file=sys.stderr)
         return 2
     return 0

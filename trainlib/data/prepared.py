@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from trainlib.errors import ConfigError
 from trainlib.data.tokenizer import ByteTokenizer, HFTokenizer, TiktokenTokenizer
 
 FORMAT = "trainlib-prepared"
@@ -87,7 +88,7 @@ def read_manifest(folder: str) -> dict:
     with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
         m = json.load(f)
     if m.get("format") != FORMAT or m.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"{folder}/{MANIFEST} is not a {FORMAT} manifest of version {FORMAT_VERSION} "
+        raise ConfigError(f"{folder}/{MANIFEST} is not a {FORMAT} manifest of version {FORMAT_VERSION} "
                          f"(format={m.get('format')!r}, version={m.get('format_version')!r}): prepare the data again")
     return m
 
@@ -112,12 +113,12 @@ class PreparedDataset:
         folder = os.path.expanduser(folder)
         m = read_manifest(folder)
         if not m["complete"]:
-            raise ValueError(f"prepared data {folder!r} is unfinished ({len(m['shards'])} shards written): rerun "
+            raise ConfigError(f"prepared data {folder!r} is unfinished ({len(m['shards'])} shards written): rerun "
                              "the same `python -m trainlib.data.prepare` command to finish it")
         want = tokenizer_identity(tokenizer)
         if m["tokenizer"] != want:
             diff = ", ".join(f"{k} {m['tokenizer'].get(k)!r} vs {v!r}" for k, v in want.items() if m["tokenizer"].get(k) != v)
-            raise ValueError(f"prepared data {folder!r} was tokenized with another tokenizer than this run's "
+            raise ConfigError(f"prepared data {folder!r} was tokenized with another tokenizer than this run's "
                              f"(manifest vs run: {diff}): set --tokenizer.kind/--tokenizer.path to the manifest's "
                              "tokenizer or prepare the data again with this one")
         self.folder, self.manifest = folder, m
@@ -130,17 +131,17 @@ class PreparedDataset:
                 try:
                     got = os.path.getsize(path)
                 except FileNotFoundError:
-                    raise ValueError(f"prepared data {folder!r}: shard file {path!r} is missing: the folder is "
+                    raise ConfigError(f"prepared data {folder!r}: shard file {path!r} is missing: the folder is "
                                      "damaged; prepare it again") from None
                 if got != want_bytes:
-                    raise ValueError(f"prepared data {folder!r}: shard file {path!r} has {got} bytes, the manifest "
+                    raise ConfigError(f"prepared data {folder!r}: shard file {path!r} has {got} bytes, the manifest "
                                      f"records {want_bytes}: the folder is damaged (truncated copy?); prepare it again")
         self.shard_starts = [0]
         for n_tok, _ in sizes:
             self.shard_starts.append(self.shard_starts[-1] + n_tok)
         self.num_tokens = self.shard_starts[-1]
         if self.num_tokens < seq_len + 1:
-            raise ValueError(f"training.seq_len={seq_len} needs windows of {seq_len + 1} tokens, but prepared data "
+            raise ConfigError(f"training.seq_len={seq_len} needs windows of {seq_len + 1} tokens, but prepared data "
                              f"{folder!r} holds only {self.num_tokens}: lower seq_len or prepare more data")
         self.seq_len = seq_len
         self.windows_per_epoch = (self.num_tokens - 1) // seq_len  # whole windows, for shuffle_samples
@@ -229,7 +230,7 @@ def parse_mixture(entries: list[str]) -> list[tuple[str, float]]:
         except ValueError:
             weight = math.nan
         if not sep or not path or not math.isfinite(weight) or weight < 0:
-            raise ValueError(f"data.mixture entry {e!r} is not 'DIR:WEIGHT' with a finite weight >= 0: "
+            raise ConfigError(f"data.mixture entry {e!r} is not 'DIR:WEIGHT' with a finite weight >= 0: "
                              "write e.g. data.mixture = ['web:0.7', 'code:0.3']")
         out.append((path, weight))
     return out
@@ -241,7 +242,7 @@ class Mixture:
     def __init__(self, weights: list[float], block: int = MIXTURE_BLOCK):
         total = sum(weights)
         if not total > 0:
-            raise ValueError(f"data.mixture weights {weights} sum to {total}: give at least one positive weight")
+            raise ConfigError(f"data.mixture weights {weights} sum to {total}: give at least one positive weight")
         quotas = [w / total * block for w in weights]
         counts = [int(q) for q in quotas]
         by_remainder = sorted(range(len(weights)), key=lambda i: (counts[i] - quotas[i], i))
@@ -249,7 +250,7 @@ class Mixture:
             counts[i] += 1
         for w, c in zip(weights, counts):
             if w > 0 and c == 0:
-                raise ValueError(f"data.mixture weight {w} is below 1/{block} of the total {total}: it would never "
+                raise ConfigError(f"data.mixture weight {w} is below 1/{block} of the total {total}: it would never "
                                  "be sampled; raise it or drop that dataset")
         # Each dataset's j-th sample of the block goes at time (j + 1/2) / n_i: evenly spread.
         ids = np.repeat(np.arange(len(counts)), counts)
@@ -312,11 +313,11 @@ class PreparedDataLoader:
                  local_batch_size: int, dp_rank: int = 0, dp_world: int = 1, seed: int = 0,
                  shuffle_samples: bool = False, prefetch: int = 2, pin_memory: bool = False):
         if local_batch_size < 1:
-            raise ValueError(f"local_batch_size={local_batch_size} must be >= 1")
+            raise ConfigError(f"local_batch_size={local_batch_size} must be >= 1")
         if dp_world < 1 or not 0 <= dp_rank < dp_world:
-            raise ValueError(f"dp_rank={dp_rank} must be in [0, dp_world={dp_world})")
+            raise ConfigError(f"dp_rank={dp_rank} must be in [0, dp_world={dp_world})")
         if prefetch < 0:
-            raise ValueError(f"data.prefetch={prefetch} must be >= 0")
+            raise ConfigError(f"data.prefetch={prefetch} must be >= 0")
         self.datasets, self.names, self.seq_len = datasets, names, int(seq_len)
         self.local_batch_size, self.dp_rank, self.dp_world = int(local_batch_size), int(dp_rank), int(dp_world)
         self.group_size = self.dp_world * self.local_batch_size
@@ -415,23 +416,23 @@ class PreparedDataLoader:
     def load_state_dict(self, sd: dict) -> None:
         def get(key: str) -> int:
             if key not in sd:
-                raise ValueError(f"data state_dict has no {key!r}: it was saved by the on-the-fly loader (raw files), "
+                raise ConfigError(f"data state_dict has no {key!r}: it was saved by the on-the-fly loader (raw files), "
                                  "resume with the same kind of data.path as the checkpoint")
             v = sd[key]
             return int(v.item() if isinstance(v, torch.Tensor) else v)
 
         if get("prepared_version") != _STATE_VERSION:
-            raise ValueError(f"data state_dict version {get('prepared_version')} is not supported "
+            raise ConfigError(f"data state_dict version {get('prepared_version')} is not supported "
                              f"(expected {_STATE_VERSION})")
         if get("seq_len") != self.seq_len:
-            raise ValueError(f"data state_dict was saved with seq_len={get('seq_len')}, this loader has "
+            raise ConfigError(f"data state_dict was saved with seq_len={get('seq_len')}, this loader has "
                              f"seq_len={self.seq_len}: resume with the same seq_len")
         if get("vocab_size") != self.vocab_size:
-            raise ValueError(f"data state_dict was saved with a tokenizer of vocab_size={get('vocab_size')}, this "
+            raise ConfigError(f"data state_dict was saved with a tokenizer of vocab_size={get('vocab_size')}, this "
                              f"one has {self.vocab_size}: resume with the same tokenizer")
         consumed = get("samples_consumed")
         if consumed % self.group_size:
-            raise ValueError(
+            raise ConfigError(
                 f"cannot resume: samples_consumed={consumed} is not a multiple of dp_world*local_batch_size="
                 f"{self.dp_world}*{self.local_batch_size}={self.group_size}; choose a DP degree and local batch "
                 "size whose product divides it")
@@ -451,17 +452,17 @@ def build_prepared_loader(cfg: Any, tokenizer: Any, seq_len: int, local_batch_si
                           dp_world: int, seed: int) -> PreparedDataLoader:
     """The loader for ``data.path`` = a prepared folder, or ``data.mixture`` of them."""
     if cfg.hf_dataset is not None or (cfg.mixture and cfg.path is not None):
-        raise ValueError("data.mixture, data.path and data.hf_dataset are exclusive: set only one of them")
+        raise ConfigError("data.mixture, data.path and data.hf_dataset are exclusive: set only one of them")
     if cfg.shuffle_documents:
-        raise ValueError("data.shuffle_documents applies to raw files; prepared data is shuffled by "
+        raise ConfigError("data.shuffle_documents applies to raw files; prepared data is shuffled by "
                          "data.shuffle_samples=true (a per-epoch permutation of windows)")
     entries = parse_mixture(cfg.mixture) if cfg.mixture else [(cfg.path, 1.0)]
     for path, _ in entries:
         if not is_prepared(path):
-            raise ValueError(f"data.mixture entry {path!r} is not a prepared folder (no {MANIFEST}): prepare it "
+            raise ConfigError(f"data.mixture entry {path!r} is not a prepared folder (no {MANIFEST}): prepare it "
                              "with `python -m trainlib.data.prepare --out DIR SOURCE...`")
     if seq_len < 1:
-        raise ValueError(f"seq_len={seq_len} must be >= 1")
+        raise ConfigError(f"seq_len={seq_len} must be >= 1")
     datasets = [PreparedDataset(path, tokenizer, seq_len) for path, _ in entries]
     pin = cfg.pin_memory and torch.cuda.is_available()
     return PreparedDataLoader(datasets, [p for p, _ in entries], [w for _, w in entries], seq_len, local_batch_size,
