@@ -25,7 +25,7 @@ from trainlib.build import build_model_parts
 from trainlib.checkpoint import Checkpointer, ModelState, OptimizerState, TrainState
 from trainlib.config import ConfigError, JobConfig, load_job_config, save_config
 from trainlib.config.validate import resolve_local_batch_size, validate_job
-from trainlib.data import DataLoader, build_dataloader, build_tokenizer
+from trainlib.data import DataLoader, build_dataloader, build_tokenizer, document_ids
 from trainlib.distributed import DistInfo, destroy_distributed, init_distributed, set_collective_timeout
 from trainlib.errors import EXIT_INTERNAL, EXIT_STOPPED, EXIT_USER, TrainingStopped, print_once_per_node, report_crash
 from trainlib.float8 import float8_post_optimizer_step
@@ -110,6 +110,8 @@ def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tenso
     """Forward and backward over one step's micro-batches; returns this rank's
     share of the global mean loss (summing it over dp_cp, and pp, gives the loss)."""
     device = job.info.device
+    if job.cfg.model.attn_mask == "document":  # from whole windows: under CP each rank masks against every key
+        micro_batches = [{**mb, "doc_ids": document_ids(mb["position_ids"]).to(device)} for mb in micro_batches]
     if job.dims.cp_enabled:  # this rank's sequence chunks; apply_cp gives RoPE the matching positions
         cp_mesh = job.dims.mesh("cp")
         micro_batches = [shard_batch(mb, cp_mesh, job.cfg.parallelism.cp_load_balance) for mb in micro_batches]
@@ -120,7 +122,7 @@ def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tenso
         (model,) = job.model_parts
         loss_sum = torch.zeros((), device=device)
         for mb in micro_batches:
-            logits = model(mb["input"].to(device))
+            logits = model(mb["input"].to(device), doc_ids=mb.get("doc_ids"))
             loss = job.loss_fn(logits, mb["labels"].to(device)) / n_targets
             del logits  # free the largest activation before backward allocates
             loss.backward()
