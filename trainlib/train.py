@@ -27,7 +27,7 @@ from trainlib.checkpoint import Checkpointer, ModelState, OptimizerState, TrainS
 from trainlib.checkpoint.manager import latest_step, step_folder
 from trainlib.config import ConfigError, JobConfig, config_to_dict, load_job_config, save_config
 from trainlib.config.validate import resolve_local_batch_size, validate_job, validate_machine
-from trainlib.data import DataLoader, build_dataloader, build_tokenizer
+from trainlib.data import DataLoader, build_dataloader, build_tokenizer, document_ids
 from trainlib.distributed import DistInfo, destroy_distributed, init_distributed, set_collective_timeout
 from trainlib.errors import EXIT_INTERNAL, EXIT_STOPPED, EXIT_USER, TrainingStopped, print_once_per_node, report_crash
 from trainlib.float8 import float8_post_optimizer_step
@@ -103,7 +103,8 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     par = cfg.parallelism
     validator = build_validator(cfg.validation, tokenizer, t.seq_len, local_bs, grad_accum, dims, t.seed, built.parts,
                                 info.device, loss_fn=built.loss_fn, pipeline=built.pipeline,
-                                cp_load_balance=par.cp_load_balance, tp_loss_parallel=par.tp_loss_parallel)
+                                cp_load_balance=par.cp_load_balance, tp_loss_parallel=par.tp_loss_parallel,
+                                document_mask=cfg.model.attn_mask == "document")
     profiler = Profiler(cfg.profiling, run_dir, info.rank, info.device, start_step)
     flops = get_model_spec(cfg.model.name).flops_per_token(built.model_args, t.seq_len)
     metrics = MetricsLogger(cfg.metrics, run_dir, rank=info.rank, device=info.device, flops_per_token=flops,
@@ -126,6 +127,8 @@ def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tenso
     """Forward and backward over one step's micro-batches; returns this rank's
     share of the global mean loss (summing it over dp_cp, and pp, gives the loss)."""
     device = job.info.device
+    if job.cfg.model.attn_mask == "document":  # from whole windows: under CP each rank masks against every key
+        micro_batches = [{**mb, "doc_ids": document_ids(mb["position_ids"]).to(device)} for mb in micro_batches]
     if job.dims.cp_enabled:  # this rank's sequence chunks; apply_cp gives RoPE the matching positions
         cp_mesh = job.dims.mesh("cp")
         micro_batches = [shard_batch(mb, cp_mesh, job.cfg.parallelism.cp_load_balance) for mb in micro_batches]
@@ -136,7 +139,7 @@ def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tenso
         (model,) = job.model_parts
         loss_sum = torch.zeros((), device=device)
         for mb in micro_batches:
-            logits = model(mb["input"].to(device))
+            logits = model(mb["input"].to(device), doc_ids=mb.get("doc_ids"))
             loss = job.loss_fn(logits, mb["labels"].to(device)) / n_targets
             del logits  # free the largest activation before backward allocates
             loss.backward()

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from trainlib.data import DEFAULT_VALIDATION_PATH, DataConfig, build_dataloader
+from trainlib.data import DEFAULT_VALIDATION_PATH, DataConfig, build_dataloader, document_ids
 from trainlib.errors import ConfigError
 from trainlib.loss import count_targets
 from trainlib.parallel.cp import shard_batch
@@ -52,10 +52,10 @@ class Validator:
 
     def __init__(self, cfg: ValidationConfig, loader, model_parts: list[nn.Module], dims: ParallelDims,
                  device: torch.device, *, micro_batches: int, loss_fn: Callable, pipeline: Pipeline | None,
-                 cp_load_balance: bool, tp_loss_parallel: bool):
+                 cp_load_balance: bool, tp_loss_parallel: bool, document_mask: bool = False):
         self.cfg, self.loader, self.model_parts, self.dims, self.device = cfg, loader, model_parts, dims, device
         self.micro_batches, self.loss_fn, self.pipeline = micro_batches, loss_fn, pipeline
-        self.cp_load_balance, self.loss_parallel = cp_load_balance, tp_loss_parallel
+        self.cp_load_balance, self.loss_parallel, self.document_mask = cp_load_balance, tp_loss_parallel, document_mask
         self._start = loader.state_dict() if loader is not None else None
 
     def maybe_run(self, step: int, last_step: int) -> dict[str, float]:
@@ -88,20 +88,23 @@ class Validator:
 
     def _loss_sum(self, micro_batches: list[dict]) -> torch.Tensor:
         """The token-loss sum of this rank's share of the micro-batches (the training forward, no backward)."""
+        if self.document_mask:  # as in training: from whole windows, before CP cuts them
+            micro_batches = [{**mb, "doc_ids": document_ids(mb["position_ids"]).to(self.device)}
+                             for mb in micro_batches]
         if self.dims.cp_enabled:
             cp_mesh = self.dims.mesh("cp")
             micro_batches = [shard_batch(mb, cp_mesh, self.cp_load_balance) for mb in micro_batches]
         if self.pipeline is not None:
             return self.pipeline.eval(micro_batches, self.device)
         (model,) = self.model_parts
-        return sum(self.loss_fn(model(mb["input"].to(self.device)), mb["labels"].to(self.device))
-                   for mb in micro_batches)
+        return sum(self.loss_fn(model(mb["input"].to(self.device), doc_ids=mb.get("doc_ids")),
+                                mb["labels"].to(self.device)) for mb in micro_batches)
 
 
 def build_validator(cfg: ValidationConfig, tokenizer, seq_len: int, local_batch_size: int, micro_batches: int,
                     dims: ParallelDims, seed: int, model_parts: list[nn.Module], device: torch.device, *,
                     loss_fn: Callable, pipeline: Pipeline | None, cp_load_balance: bool,
-                    tp_loss_parallel: bool) -> Validator:
+                    tp_loss_parallel: bool, document_mask: bool) -> Validator:
     """The job's validator; its loader is built (and its data checked) only when validation is enabled."""
     loader = None
     if cfg.enable:
@@ -111,4 +114,5 @@ def build_validator(cfg: ValidationConfig, tokenizer, seq_len: int, local_batch_
         dp_rank, dp_world = dims.dp_coords()
         loader = build_dataloader(data, tokenizer, seq_len, local_batch_size, dp_rank, dp_world, seed)
     return Validator(cfg, loader, model_parts, dims, device, micro_batches=micro_batches, loss_fn=loss_fn,
-                     pipeline=pipeline, cp_load_balance=cp_load_balance, tp_loss_parallel=tp_loss_parallel)
+                     pipeline=pipeline, cp_load_balance=cp_load_balance, tp_loss_parallel=tp_loss_parallel,
+                     document_mask=document_mask)

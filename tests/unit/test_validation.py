@@ -6,7 +6,7 @@ import pytest
 import torch.nn.functional as F
 
 from trainlib.config import load_job_config
-from trainlib.data import DEFAULT_VALIDATION_PATH, DataConfig, build_dataloader, build_tokenizer
+from trainlib.data import DEFAULT_VALIDATION_PATH, DataConfig, build_dataloader, build_tokenizer, document_ids
 from trainlib.distributed import destroy_distributed, init_distributed
 from trainlib.train import setup, train
 from trainlib.validation import ValidationConfig
@@ -18,22 +18,34 @@ def _cfg(tmp_path, *overrides):
                                   "--validation.steps=3", *overrides])
 
 
-def test_validation_is_the_token_mean_loss_of_the_held_out_chapters_from_their_start_each_time(tmp_path):
-    cfg = _cfg(tmp_path, "--validation.enable=true", "--training.local_batch_size=4")  # 2 micro-batches a step
+@pytest.mark.parametrize("mask", ["causal", "document"])
+def test_validation_is_the_token_mean_loss_of_its_data_from_the_start_each_time(tmp_path, mask):
+    # causal: the default data, the shipped corpus's held-out chapters; document: short documents,
+    # so that windows hold several and the mask matters
+    path = DEFAULT_VALIDATION_PATH
+    if mask == "document":
+        path = str(tmp_path / "short.jsonl")
+        (tmp_path / "short.jsonl").write_text("".join(f'{{"text": "verse {i}: {"and it was so " * (i % 5)}"}}\n'
+                                                      for i in range(400)))
+    cfg = _cfg(tmp_path, "--validation.enable=true", "--training.local_batch_size=4",  # 2 micro-batches a step
+               f"--model.attn_mask={mask}", *([f"--validation.data.path={path}"] if mask == "document" else []))
     job = setup(cfg, init_distributed(cfg.comm, cfg.job.device))
     try:
         first, again = job.validator.run(), job.validator.run()
-        assert list(job.validator.loader.tokens_seen_per_dataset()) == [DEFAULT_VALIDATION_PATH]
+        assert list(job.validator.loader.tokens_seen_per_dataset()) == [path]
         (model,) = job.model_parts
-        loader = build_dataloader(DataConfig(path=DEFAULT_VALIDATION_PATH), build_tokenizer(cfg.tokenizer), 64, 24)
+        loader = build_dataloader(DataConfig(path=path), build_tokenizer(cfg.tokenizer), 64, 24)
         batch = next(loader)  # the 3 validation batches of 8 sequences, at once
-        expected = F.cross_entropy(model(batch["input"]).flatten(0, 1), batch["labels"].flatten()).item()
+        doc_ids = document_ids(batch["position_ids"]) if mask == "document" else None
+        expected = F.cross_entropy(model(batch["input"], doc_ids=doc_ids).flatten(0, 1), batch["labels"].flatten())
+        causal = F.cross_entropy(model(batch["input"]).flatten(0, 1), batch["labels"].flatten())
     finally:
         job.gc_handler.close()
         job.metrics.close()
         destroy_distributed()
     assert first == again  # restarts at the beginning: the same tokens every time
-    assert math.isclose(first["val_loss"], expected, rel_tol=1e-6)
+    assert math.isclose(first["val_loss"], expected.item(), rel_tol=1e-6)
+    assert (mask == "document") == (expected != causal).item()  # the mask is applied, and it matters here
     assert first["val_perplexity"] == math.exp(first["val_loss"])
 
 

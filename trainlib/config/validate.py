@@ -8,12 +8,14 @@ live here.
 from __future__ import annotations
 
 import importlib.util
+import inspect
 
 import torch
 
 from trainlib.config.job import JobConfig
 from trainlib.config.loader import ConfigError
 from trainlib.models.llama3.model import ModelArgs
+from trainlib.models.registry import get_model_spec
 from trainlib.parallel.parallel_dims import ParallelDims
 
 
@@ -55,6 +57,13 @@ def validate_job(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs, toke
                               f"false; enable checkpoints or pick 'skip' or 'stop'")
     _validate_tp_pp(cfg, dims, model_args)
     _validate_cp(cfg, dims)
+    if cfg.model.attn_mask == "document":
+        forward = get_model_spec(cfg.model.name).model_cls.forward
+        if "doc_ids" not in inspect.signature(forward).parameters:
+            raise ConfigError(
+                f"model.attn_mask = 'document' needs a model whose forward takes doc_ids, and model.name "
+                f"'{cfg.model.name}' has none; set model.attn_mask = 'causal'"
+            )
 
 
 def validate_machine(cfg: JobConfig, device: torch.device) -> None:

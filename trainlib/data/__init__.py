@@ -8,6 +8,7 @@ from trainlib.data.dataset import (
     DataLoader,
     PackedDataLoader,
     build_dataloader,
+    document_ids,
     resolve_data_files,
 )
 from trainlib.data.prepared import PreparedDataLoader
@@ -28,6 +29,7 @@ __all__ = [
     "PackedDataLoader",
     "PreparedDataLoader",
     "build_dataloader",
+    "document_ids",
     "resolve_data_files",
     "ByteTokenizer",
     "HFTokenizer",

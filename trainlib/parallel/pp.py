@@ -134,8 +134,11 @@ class Pipeline:
         for mb in micro_batches:
             args = (mb["input"].to(device),) if self.has_first else ()
             labels = mb["labels"].to(device) if self.has_last else None
+            # Keyword arguments of `step` reach every stage's forward (split by micro-batch
+            # like the input), on every rank: so every stage masks by document.
+            kwargs = {"doc_ids": mb["doc_ids"].to(device)} if "doc_ids" in mb else {}
             losses: list[torch.Tensor] = []
-            self.schedule.step(*args, target=labels, losses=losses, return_outputs=False)
+            self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
             if self.has_last:
                 loss_sum += torch.stack([loss.detach() for loss in losses]).sum()
         return loss_sum
@@ -153,13 +156,14 @@ class Pipeline:
         last = len(self.owners) - 1
         loss_sum = torch.zeros((), device=device)
         for mb in micro_batches:
-            chunks = zip(mb["input"].to(device).tensor_split(self.n_microbatches),
-                         mb["labels"].to(device).tensor_split(self.n_microbatches))
-            for x, labels in chunks:
+            split = self.n_microbatches
+            docs = mb["doc_ids"].to(device).tensor_split(split) if "doc_ids" in mb else [None] * split
+            chunks = zip(mb["input"].to(device).tensor_split(split), mb["labels"].to(device).tensor_split(split), docs)
+            for x, labels, doc_ids in chunks:
                 for sid in sorted(mine):
                     if sid > 0 and sid - 1 not in mine:
                         x = _recv_activation(self.owners[sid - 1], group, device)
-                    x = mine[sid](x)
+                    x = mine[sid](x, doc_ids=doc_ids)
                     if sid == last:
                         loss_sum += self.criterion(x, labels)
                     elif sid + 1 not in mine:
