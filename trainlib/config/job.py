@@ -21,7 +21,9 @@ from trainlib.optim import LRSchedulerConfig, OptimizerConfig
 from trainlib.parallel.ac import ActivationCheckpointConfig
 from trainlib.parallel.compile import CompileConfig
 from trainlib.parallel.config import ParallelismConfig
+from trainlib.profiling import ProfilingConfig
 from trainlib.resilience import WatchdogConfig
+from trainlib.validation import ValidationConfig
 
 
 @dataclass
@@ -41,6 +43,8 @@ class ModelConfig:
     # benchmarks (e.g. 8B layers but fewer of them on one GPU).
     n_layers: int | None = None
     vocab_size: int | None = None
+    attn_mask: Literal["causal", "document"] = field(default="causal", metadata={
+        "help": "document: no token attends across a document boundary inside a packed window (docs/data.md)"})
 
     def __post_init__(self) -> None:
         model_args(self)  # an unknown name or flavor fails at load, naming the closest valid one
@@ -58,12 +62,17 @@ class TrainingConfig(GuardConfig):
     max_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm; <= 0 disables clipping"})
     mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    gc_freq: int = field(default=50, metadata={"help": "Python's automatic garbage collection is off during "
+                                                       "training and a collection runs every gc_freq steps; "
+                                                       "0 = leave it automatic (docs/performance.md)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for key in ("steps", "seq_len", "global_batch_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"training.{key} must be >= 1, got {getattr(self, key)}")
+        if self.gc_freq < 0:
+            raise ConfigError(f"training.gc_freq must be >= 0 (0 = automatic collection), got {self.gc_freq}")
         if self.local_batch_size is not None and self.local_batch_size < 1:
             raise ConfigError(f"training.local_batch_size must be >= 1, got {self.local_batch_size}")
 
@@ -93,6 +102,8 @@ class JobConfig:
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     float8: Float8Config = field(default_factory=Float8Config)

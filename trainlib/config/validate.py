@@ -7,9 +7,15 @@ live here.
 
 from __future__ import annotations
 
+import importlib.util
+import inspect
+
+import torch
+
 from trainlib.config.job import JobConfig
 from trainlib.config.loader import ConfigError
 from trainlib.models.llama3.model import ModelArgs
+from trainlib.models.registry import get_model_spec
 from trainlib.parallel.parallel_dims import ParallelDims
 
 
@@ -51,11 +57,29 @@ def validate_job(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs, toke
                               f"false; enable checkpoints or pick 'skip' or 'stop'")
     _validate_tp_pp(cfg, dims, model_args)
     _validate_cp(cfg, dims)
+    if cfg.model.attn_mask == "document":
+        forward = get_model_spec(cfg.model.name).model_cls.forward
+        if "doc_ids" not in inspect.signature(forward).parameters:
+            raise ConfigError(
+                f"model.attn_mask = 'document' needs a model whose forward takes doc_ids, and model.name "
+                f"'{cfg.model.name}' has none; set model.attn_mask = 'causal'"
+            )
     if cfg.watchdog.enable and cfg.watchdog.min_seconds >= cfg.comm.train_timeout_seconds / 2:
         raise ConfigError(
             f"watchdog.min_seconds ({cfg.watchdog.min_seconds:g}) must be below half of comm.train_timeout_seconds "
             f"({cfg.comm.train_timeout_seconds:g}), so that a hang is reported before the collective timeout ends "
             f"the job; lower watchdog.min_seconds or raise comm.train_timeout_seconds")
+
+
+def validate_machine(cfg: JobConfig, device: torch.device) -> None:
+    """Rules about the machine the job runs on rather than its shape (the planner skips them)."""
+    for enabled, package in ((cfg.metrics.enable_tensorboard, "tensorboard"), (cfg.metrics.enable_wandb, "wandb")):
+        if enabled and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"metrics.enable_{package} = true needs the {package} package, which is not installed: "
+                              f"pip install 'trainlib[{package}]', or set metrics.enable_{package} = false")
+    if cfg.profiling.enable_memory_snapshot and device.type != "cuda":
+        raise ConfigError(f"profiling.enable_memory_snapshot records the CUDA caching allocator; this job runs on "
+                          f"{device.type}: set profiling.enable_memory_snapshot = false")
 
 
 def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -> None:

@@ -3,10 +3,12 @@ prepared token shards written by `python -m trainlib.data.prepare`)."""
 
 from trainlib.data.dataset import (
     DEFAULT_CORPUS_PATH,
+    DEFAULT_VALIDATION_PATH,
     DataConfig,
     DataLoader,
     PackedDataLoader,
     build_dataloader,
+    document_ids,
     resolve_data_files,
 )
 from trainlib.data.prepared import PreparedDataLoader
@@ -21,11 +23,13 @@ from trainlib.data.tokenizer import (
 
 __all__ = [
     "DEFAULT_CORPUS_PATH",
+    "DEFAULT_VALIDATION_PATH",
     "DataConfig",
     "DataLoader",
     "PackedDataLoader",
     "PreparedDataLoader",
     "build_dataloader",
+    "document_ids",
     "resolve_data_files",
     "ByteTokenizer",
     "HFTokenizer",

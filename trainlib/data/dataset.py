@@ -52,10 +52,13 @@ __all__ = [
     "build_dataloader",
     "resolve_data_files",
     "DEFAULT_CORPUS_PATH",
+    "DEFAULT_VALIDATION_PATH",
 ]
 
-# King James Bible, one chapter per line; see corpus/README.md.
-DEFAULT_CORPUS_PATH = str(Path(__file__).resolve().parent / "corpus" / "kjv.jsonl.gz")
+# King James Bible, one chapter per line; see corpus/README.md. Training's default
+# excludes the held-out chapters of validation's default, validation on or off.
+DEFAULT_CORPUS_PATH = str(Path(__file__).resolve().parent / "corpus" / "kjv_train.jsonl.gz")
+DEFAULT_VALIDATION_PATH = str(Path(__file__).resolve().parent / "corpus" / "kjv_val.jsonl.gz")
 
 _STATE_VERSION = 1
 
@@ -349,6 +352,12 @@ class _PackedStream:
 
 
 # --------------------------------------------------------------------------- loader
+
+
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[b, S] index (0, 1, ...) of each token's document within its window: a document
+    starts exactly where ``position_ids`` is 0 (and so does the window)."""
+    return (position_ids == 0).cumsum(dim=1) - 1
 
 
 class PackedDataLoader:
