@@ -7,7 +7,7 @@ from pathlib import Path
 from trainlib.resilience import Preemption, hang_verdict
 
 
-def test_a_preemption_signal_stops_after_the_next_step_and_close_restores_the_handler():
+def test_a_preemption_signal_stops_after_the_next_step_and_the_handler_stays_for_the_exit():
     previous = signal.getsignal(signal.SIGUSR1)
     p = Preemption(group=None)
     try:
@@ -18,9 +18,18 @@ def test_a_preemption_signal_stops_after_the_next_step_and_close_restores_the_ha
         assert not p.stop_agreed()
         p.start_step()
         assert p.stop_agreed() and p.received == signal.SIGUSR1
-    finally:
         p.close()
-    assert signal.getsignal(signal.SIGUSR1) is previous
+        os.kill(os.getpid(), signal.SIGUSR1)  # torchrun's SIGTERM to the other workers, say: ignored
+    finally:
+        signal.signal(signal.SIGUSR1, previous)
+
+
+def test_without_a_signal_close_restores_the_handlers():
+    previous = signal.getsignal(signal.SIGTERM)
+    p = Preemption(group=None)
+    assert signal.getsignal(signal.SIGTERM) is not previous
+    p.close()
+    assert signal.getsignal(signal.SIGTERM) is previous
 
 
 def _report(step, seqs, blocked_in="all_reduce", where="x.py:1 in f"):
