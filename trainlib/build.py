@@ -11,13 +11,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
 from trainlib.float8 import check_float8_hardware, convert_float8
-from trainlib.loss import cross_entropy_sum
+from trainlib.loss import chunked_cross_entropy_sum, cross_entropy_sum
 from trainlib.models import count_params
 from trainlib.models.registry import get_model_spec, model_args
 from trainlib.parallel.compile import maybe_compile_loss
@@ -31,7 +32,9 @@ class ModelParts:
     pipeline: Pipeline | None  # set under pipeline parallelism
     model_args: Any
     n_params: int  # of the whole model, before any split or sharding
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # compiled when compile.loss is set
+    # (model output, labels) -> sum of token losses; the output is the final
+    # hidden states under loss.chunked. Its cross-entropy is compiled when compile.loss is set.
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelParts:
@@ -55,6 +58,9 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelPar
                                 ac=cfg.activation_checkpoint, compile=cfg.compile)
 
     loss_fn = maybe_compile_loss(cross_entropy_sum, cfg.compile)
+    if cfg.loss.chunked:  # the loss applies the output projection (after float8 swapped it), chunk by chunk
+        model.output_in_forward = False
+        loss_fn = partial(chunked_cross_entropy_sum, output=model.output, chunk_tokens=cfg.loss.chunk_tokens, ce=loss_fn)
     if dims.pp_enabled:  # this rank's stages, each parallelized like a whole model
         pipeline = build_pipeline(model, dims, cfg.parallelism, device, parallelize, loss_fn)
         return ModelParts(pipeline.model_parts, pipeline, args, n_params, loss_fn)

@@ -54,7 +54,7 @@ class Job:
     grad_accum: int
     run_dir: Path
     pipeline: Pipeline | None = None  # set under pipeline parallelism
-    loss_fn: Callable = cross_entropy_sum  # compiled when compile.loss is set
+    loss_fn: Callable = cross_entropy_sum  # (model output, labels) -> loss sum; see build.ModelParts
     checkpointer: Checkpointer | None = None
     start_step: int = 0  # the last step already done (restored from a checkpoint)
 
@@ -116,9 +116,9 @@ def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tenso
         (model,) = job.model_parts
         loss_sum = torch.zeros((), device=device)
         for mb in micro_batches:
-            logits = model(mb["input"].to(device))
-            loss = job.loss_fn(logits, mb["labels"].to(device)) / n_targets
-            del logits  # free the largest activation before backward allocates
+            out = model(mb["input"].to(device))  # logits, or hidden states under loss.chunked
+            loss = job.loss_fn(out, mb["labels"].to(device)) / n_targets
+            del out  # free the largest activation before backward allocates
             loss.backward()
             loss_sum += loss.detach()
     return loss_sum

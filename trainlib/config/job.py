@@ -14,6 +14,7 @@ from trainlib.data import DataConfig, TokenizerConfig
 from trainlib.distributed import CommConfig
 from trainlib.metrics import MetricsConfig
 from trainlib.float8 import Float8Config
+from trainlib.loss import LossConfig
 from trainlib.models.registry import MODELS, model_args
 from trainlib.optim import LRSchedulerConfig, OptimizerConfig
 from trainlib.parallel.ac import ActivationCheckpointConfig
@@ -83,6 +84,7 @@ class JobConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)

@@ -208,6 +208,10 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # False: forward returns the final norm's hidden states and the loss
+        # applies `self.output` itself, chunk by chunk (trainlib.loss), so the
+        # whole [tokens, vocab] logits never exist.
+        self.output_in_forward = True
         # Non-persistent: derived from args, so it stays out of checkpoints and
         # is rebuilt by `init_buffers` after the meta-device build.
         self.rope_len = rope_len or args.max_seq_len
@@ -217,7 +221,7 @@ class Transformer(nn.Module):
         """tokens: [b, s] token ids (or [b, s, dim] hidden states on a non-first
         pipeline stage). position_ids: optional [b, s] positions for RoPE; by
         default 0..s-1. Returns logits [b, s, vocab] (or hidden states on a
-        non-last pipeline stage)."""
+        non-last pipeline stage, or when `output_in_forward` is False)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # The whole table is passed down and sliced in Attention, where the
         # sequence is whole: under sequence parallelism `h` here holds only
@@ -226,7 +230,7 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, rope)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        return self.output(h) if self.output is not None and self.output_in_forward else h
 
     # ---- initialisation -------------------------------------------------
     def init_buffers(self, device: torch.device | str | None = None) -> None:
