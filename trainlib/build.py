@@ -58,9 +58,15 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelPar
                                 ac=cfg.activation_checkpoint, compile=cfg.compile)
 
     loss_fn = maybe_compile_loss(cross_entropy_sum, cfg.compile)
-    if cfg.loss.chunked:  # the loss applies the output projection (after float8 swapped it), chunk by chunk
+    if cfg.loss.chunked:  # the loss applies the output projection's weight, chunk by chunk
+        if type(model.output) is not nn.Linear:
+            raise ValueError(
+                f"loss.chunked applies the output projection's weight in bf16/fp32 matmuls, but the output layer is "
+                f"a {type(model.output).__name__} (float8.filter_fqns={cfg.float8.filter_fqns} does not exclude "
+                f"'output'); add 'output' to float8.filter_fqns or set loss.chunked=false")
         model.output_in_forward = False
-        loss_fn = partial(chunked_cross_entropy_sum, output=model.output, chunk_tokens=cfg.loss.chunk_tokens, ce=loss_fn)
+        loss_fn = partial(chunked_cross_entropy_sum, output=model.output, chunk_tokens=cfg.loss.chunk_tokens,
+                          ce=loss_fn, loss_parallel=cfg.parallelism.tp_loss_parallel)
     if dims.pp_enabled:  # this rank's stages, each parallelized like a whole model
         pipeline = build_pipeline(model, dims, cfg.parallelism, device, parallelize, loss_fn)
         return ModelParts(pipeline.model_parts, pipeline, args, n_params, loss_fn)

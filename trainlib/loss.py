@@ -26,12 +26,12 @@ IGNORE_INDEX = -100
 class LossConfig:
     # The model's forward stops at the final norm and the loss applies the
     # output projection chunk by chunk (see chunked_cross_entropy_sum). False:
-    # whole logits, then the cross-entropy (the memory of 4 fp32 [tokens,
-    # vocab] tensors at the loss).
+    # whole logits, then the cross-entropy (about 3 fp32 [tokens, vocab]
+    # tensors at once at the loss).
     chunked: bool = True
-    # Tokens per chunk: each chunk's transient memory is about 4 fp32
-    # [chunk_tokens, vocab / tp] tensors (512 x 128256: 1 GiB).
-    chunk_tokens: int = 512
+    # Tokens per chunk: a chunk's transient memory is about 3 fp32
+    # [chunk_tokens, vocab / tp] tensors (256 x 128256: 0.4 GB).
+    chunk_tokens: int = 256
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
@@ -55,71 +55,83 @@ def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tenso
 
 
 def chunked_cross_entropy_sum(h: torch.Tensor, labels: torch.Tensor, *, output: nn.Module, chunk_tokens: int,
-                              ce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
-                              ) -> torch.Tensor:
+                              ce: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
+                              loss_parallel: bool = True) -> torch.Tensor:
     """`ce(output(h), labels)`, the same sum, `chunk_tokens` tokens at a time.
 
-    h: [.., dim] final hidden states (a DTensor under sequence parallelism);
-    output: the model's output projection as parallelized (its TP hooks,
-    float8 and FSDP's unsharded weight apply as in the model's forward).
-    Each chunk's gradients (for h and for `output`'s parameters) are computed
-    in the forward, right after its loss, and only those are kept: the
-    logits chunk and its gradient live for one chunk. That costs no
-    recomputation, unlike checkpointing each chunk (which would redo the
-    output projection's forward, 2 * tokens * dim * vocab FLOPs, ~6% of a
-    step of Llama 3 8B shapes).
+    h: [.., dim] final hidden states (a sequence-sharded DTensor under SP);
+    output: the model's output projection, a bias-free nn.Linear whose weight
+    is used directly: FSDP's unsharded weight, or under TP a vocab-sharded
+    DTensor. The chunk's logits are then vocab shards, and `ce` runs on them
+    in the caller's `loss_parallel()` context; `loss_parallel=False` gathers
+    them first (parallelism.tp_loss_parallel=false). Matmuls follow the
+    ambient autocast. Each chunk's gradients are computed in the forward,
+    right after its loss: the logits chunk and its gradient live for one
+    chunk, nothing is recomputed, and the weight gradient accumulates inside
+    the GEMM (addmm), in the logits' dtype.
     """
-    layout = None
-    if isinstance(h, DTensor):  # sequence-sharded under SP: the projection needs every token anyway
-        h = h.redistribute(h.device_mesh, [Replicate()] * h.device_mesh.ndim)
-        layout = (h.device_mesh, h.placements)
-        h = h.to_local()
+    if isinstance(h, DTensor):  # sequence shards under SP: the projection needs every token anyway
+        h = h.full_tensor()
     h, labels = h.flatten(0, -2), labels.flatten()
-    params = [p for p in output.parameters() if p.requires_grad]
-    if torch.is_grad_enabled() and (h.requires_grad or params):
-        return _ChunkedLinearCrossEntropy.apply(h, labels, output, ce, chunk_tokens, layout, *params)
+    if torch.is_grad_enabled() and (h.requires_grad or output.weight.requires_grad):
+        return _ChunkedLinearCrossEntropy.apply(h, output.weight, labels, ce, chunk_tokens, loss_parallel)
     with torch.no_grad():
-        return sum(ce(output(_wrap(hc, layout)), lc) for hc, lc in zip(h.split(chunk_tokens), labels.split(chunk_tokens)))
+        return sum(ce(_for_ce(F.linear(_like(hc, output.weight), output.weight), loss_parallel), lc)
+                   for hc, lc in zip(h.split(chunk_tokens), labels.split(chunk_tokens)))
 
 
-def _wrap(h: torch.Tensor, layout) -> torch.Tensor:
-    return h if layout is None else DTensor.from_local(h, *layout, run_check=False)
+def _like(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """`x` (whole on every rank) as a replicated DTensor on the mesh of a DTensor `weight`."""
+    if isinstance(weight, DTensor) and not isinstance(x, DTensor):
+        return DTensor.from_local(x, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim, run_check=False)
+    return x
+
+
+def _for_ce(logits: torch.Tensor, loss_parallel: bool) -> torch.Tensor:
+    """Vocab-sharded logits stay shards under loss parallelism, else are gathered."""
+    return logits if loss_parallel or not isinstance(logits, DTensor) else logits.full_tensor()
 
 
 class _ChunkedLinearCrossEntropy(torch.autograd.Function):
-    """Forward: per chunk, the loss and, by autograd on that chunk alone, its
-    gradients; backward: those gradients times the incoming scalar gradient.
-    Gradients are those of the whole sum (each token's loss depends on its
-    own hidden state only), added up over chunks in the parameters' dtype,
-    as autograd would add the contributions of separate uses."""
+    """Forward: per chunk, logits = h_c W^T, the loss, its logits gradient g
+    (autograd over the cross-entropy alone), then dh_c = g W and dW += g^T h_c;
+    backward: those gradients times the incoming scalar gradient (the
+    caller's 1 / global target count). Each token's loss depends on its own
+    hidden state only, so these are the gradients of the whole sum."""
 
     @staticmethod
-    def forward(ctx, h, labels, output, ce, chunk_tokens, layout, *params):
-        wants_h = ctx.needs_input_grad[0]
-        grad_h = torch.empty_like(h) if wants_h else None
-        grad_params: list[torch.Tensor | None] = [None] * len(params)
+    def forward(ctx, h, weight, labels, ce, chunk_tokens, loss_parallel):
+        grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
+        grad_w = None
         losses = []
         start = 0
         for hc, lc in zip(h.split(chunk_tokens), labels.split(chunk_tokens)):
+            x = _like(hc, weight)
             with torch.enable_grad():
-                hc = hc.detach().requires_grad_(wants_h)
-                loss = ce(output(_wrap(hc, layout)), lc)
-            grads = torch.autograd.grad(loss, ([hc] if wants_h else []) + list(params))
-            if wants_h:
-                grad_h[start:start + hc.shape[0]] = grads[0]
-                grads = grads[1:]
-            grad_params = [g if acc is None else acc.add_(g) for acc, g in zip(grad_params, grads)]
+                logits = F.linear(x, weight).detach().requires_grad_()
+                loss = ce(_for_ce(logits, loss_parallel), lc)
+            (g,) = torch.autograd.grad(loss, logits)
+            g = g.to(logits.dtype)  # as autograd casts back from ce's fp32 upcast
+            if grad_h is not None:
+                dh = g @ weight
+                grad_h[start:start + hc.shape[0]] = dh.full_tensor() if isinstance(dh, DTensor) else dh
+            if ctx.needs_input_grad[1]:
+                if grad_w is None:
+                    grad_w = torch.zeros_like(weight, dtype=g.dtype)
+                grad_w.addmm_(g.T, x.to(g.dtype))
             losses.append(loss.detach())
             start += hc.shape[0]
-        ctx.save_for_backward(grad_h, *grad_params)
+        ctx.save_for_backward(grad_h, grad_w)
+        ctx.weight_dtype = weight.dtype
         return torch.stack(losses).sum()
 
     @staticmethod
     def backward(ctx, grad_loss):
-        grad_h, *grad_params = ctx.saved_tensors
-        # The scalar gradient is the caller's scale (1 / global target count).
-        return (None if grad_h is None else grad_h * grad_loss, None, None, None, None, None,
-                *(g * grad_loss for g in grad_params))
+        grad_h, grad_w = ctx.saved_tensors
+        # Out of place: zero-bubble pipeline schedules run this backward twice
+        # (input gradients, then weight gradients).
+        return (None if grad_h is None else grad_h * grad_loss,
+                None if grad_w is None else (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None, None)
 
 
 def count_targets(labels: torch.Tensor) -> torch.Tensor:
