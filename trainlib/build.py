@@ -35,6 +35,9 @@ class ModelParts:
     # (model output, labels) -> sum of token losses; the output is the final
     # hidden states under loss.chunked. Its cross-entropy is compiled when compile.loss is set.
     loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    # Run the forward and the loss under torch.autocast(device, this dtype)
+    # (the weights stay fp32); None: FSDP casts the parameters, or fp32.
+    autocast_dtype: torch.dtype | None = None
 
 
 def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelParts:
@@ -50,11 +53,13 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelPar
     with torch.device("meta"):
         model = spec.model_cls(args, rope_len=t.seq_len)
     n_params = count_params(model)
+    autocast = dims.autocast_dtype(t.param_dtype, t.mixed_precision_impl)
+    param_dtype = torch.float32 if autocast else t.param_dtype  # under autocast the weights stay fp32
     check_float8_hardware(cfg.float8, device)
-    convert_float8(model, cfg.float8, fsdp=dims.uses_fsdp(t.param_dtype))
+    convert_float8(model, cfg.float8, fsdp=dims.uses_fsdp(param_dtype))
 
     def parallelize(m: nn.Module) -> nn.Module:
-        return spec.parallelize(m, dims, cfg.parallelism, param_dtype=t.param_dtype, reduce_dtype=t.reduce_dtype,
+        return spec.parallelize(m, dims, cfg.parallelism, param_dtype=param_dtype, reduce_dtype=t.reduce_dtype,
                                 ac=cfg.activation_checkpoint, compile=cfg.compile)
 
     loss_fn = maybe_compile_loss(cross_entropy_sum, cfg.compile)
@@ -69,5 +74,27 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelPar
                           ce=loss_fn, loss_parallel=cfg.parallelism.tp_loss_parallel)
     if dims.pp_enabled:  # this rank's stages, each parallelized like a whole model
         pipeline = build_pipeline(model, dims, cfg.parallelism, device, parallelize, loss_fn)
-        return ModelParts(pipeline.model_parts, pipeline, args, n_params, loss_fn)
-    return ModelParts([parallelize(model)], None, args, n_params, loss_fn)
+        return ModelParts(pipeline.model_parts, pipeline, args, n_params, loss_fn, autocast)
+    return ModelParts([parallelize(model)], None, args, n_params, loss_fn, autocast)
+
+
+def describe_choices(cfg, built: ModelParts, optimizer_impl: str) -> str:
+    """One line of what runs: the choices made automatically ("auto" keys) and the speed levers as set."""
+    t = cfg.training
+    if built.autocast_dtype is not None:
+        precision = f"{t.mixed_precision_param} autocast over fp32 weights ({t.mixed_precision_impl})"
+    elif t.mixed_precision_param != "float32":
+        precision = f"{t.mixed_precision_param} params by FSDP, {t.mixed_precision_reduce} reduce"
+    else:
+        precision = "float32"
+    ac = cfg.activation_checkpoint
+    parts = [
+        f"adamw {optimizer_impl}" + (" (auto)" if cfg.optimizer.implementation == "auto" else ""),
+        precision,
+        f"loss chunked by {cfg.loss.chunk_tokens} tokens" if cfg.loss.chunked else "loss on whole logits",
+        f"AC {ac.mode}" + (f" ({ac.selective_op_policy})" if ac.mode == "selective_op" else ""),
+        ("compile blocks" + (" + loss" if cfg.compile.loss else "")) if cfg.compile.enable else "eager",
+        f"float8 {cfg.float8.recipe}" if cfg.float8.enable else "no float8",
+    ]
+    return "chosen: " + " | ".join(parts)
+

@@ -65,7 +65,8 @@ def chunked_cross_entropy_sum(h: torch.Tensor, labels: torch.Tensor, *, output: 
     DTensor. The chunk's logits are then vocab shards, and `ce` runs on them
     in the caller's `loss_parallel()` context; `loss_parallel=False` gathers
     them first (parallelism.tp_loss_parallel=false). Matmuls follow the
-    ambient autocast. Each chunk's gradients are computed in the forward,
+    ambient autocast's dtype (the weight is cast once, not per chunk). Each
+    chunk's gradients are computed in the forward,
     right after its loss: the logits chunk and its gradient live for one
     chunk, nothing is recomputed, and the weight gradient accumulates inside
     the GEMM (addmm), in the logits' dtype.
@@ -76,8 +77,15 @@ def chunked_cross_entropy_sum(h: torch.Tensor, labels: torch.Tensor, *, output: 
     if torch.is_grad_enabled() and (h.requires_grad or output.weight.requires_grad):
         return _ChunkedLinearCrossEntropy.apply(h, output.weight, labels, ce, chunk_tokens, loss_parallel)
     with torch.no_grad():
-        return sum(ce(_for_ce(F.linear(_like(hc, output.weight), output.weight), loss_parallel), lc)
+        w = _compute_weight(output.weight)
+        return sum(ce(_for_ce(F.linear(_like(hc, w).to(w.dtype), w), loss_parallel), lc)
                    for hc, lc in zip(h.split(chunk_tokens), labels.split(chunk_tokens)))
+
+
+def _compute_weight(weight: torch.Tensor) -> torch.Tensor:
+    """The weight in the matmul dtype: autocast's when it is on, else its own."""
+    device = weight.device.type
+    return weight.to(torch.get_autocast_dtype(device)) if torch.is_autocast_enabled(device) else weight
 
 
 def _like(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -102,23 +110,22 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, labels, ce, chunk_tokens, loss_parallel):
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        grad_w = None
+        w = _compute_weight(weight)
+        grad_w = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
         losses = []
         start = 0
         for hc, lc in zip(h.split(chunk_tokens), labels.split(chunk_tokens)):
-            x = _like(hc, weight)
+            x = _like(hc, w).to(w.dtype)
             with torch.enable_grad():
-                logits = F.linear(x, weight).detach().requires_grad_()
+                logits = F.linear(x, w).detach().requires_grad_()
                 loss = ce(_for_ce(logits, loss_parallel), lc)
             (g,) = torch.autograd.grad(loss, logits)
-            g = g.to(logits.dtype)  # as autograd casts back from ce's fp32 upcast
+            g = g.to(w.dtype)  # as autograd casts back from ce's fp32 upcast
             if grad_h is not None:
-                dh = g @ weight
+                dh = g @ w
                 grad_h[start:start + hc.shape[0]] = dh.full_tensor() if isinstance(dh, DTensor) else dh
-            if ctx.needs_input_grad[1]:
-                if grad_w is None:
-                    grad_w = torch.zeros_like(weight, dtype=g.dtype)
-                grad_w.addmm_(g.T, x.to(g.dtype))
+            if grad_w is not None:
+                grad_w.addmm_(g.T, x)
             losses.append(loss.detach())
             start += hc.shape[0]
         ctx.save_for_backward(grad_h, grad_w)

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainlib.build import build_model_parts
+from trainlib.build import build_model_parts, describe_choices
 from trainlib.checkpoint import Checkpointer, ModelState, OptimizerState, TrainState
 from trainlib.config import ConfigError, JobConfig, load_job_config, save_config
 from trainlib.config.validate import resolve_local_batch_size, validate_job
@@ -31,7 +31,7 @@ from trainlib.float8 import float8_post_optimizer_step
 from trainlib.loss import count_targets, cross_entropy_sum
 from trainlib.metrics import MetricsLogger, setup_logging
 from trainlib.models.registry import get_model_spec, model_args
-from trainlib.optim import build_lr_scheduler, build_optimizer
+from trainlib.optim import build_lr_scheduler, build_optimizer, implementation_of
 from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
 from trainlib.parallel.pp import Pipeline
 from trainlib.parallel.tp import loss_context
@@ -57,6 +57,7 @@ class Job:
     loss_fn: Callable = cross_entropy_sum  # (model output, labels) -> loss sum; see build.ModelParts
     checkpointer: Checkpointer | None = None
     start_step: int = 0  # the last step already done (restored from a checkpoint)
+    autocast_dtype: torch.dtype | None = None  # bf16 on one rank (build.ModelParts.autocast_dtype)
 
 
 def setup(cfg: JobConfig, info: DistInfo) -> Job:
@@ -98,8 +99,9 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
         f"{t.global_batch_size} x {t.seq_len} tokens = local {local_bs} x dp {dims.dp} x accum {grad_accum} | "
         f"run dir {run_dir}"
     )
+    logger.info(describe_choices(cfg, built, implementation_of(optimizer)))
     return Job(cfg, info, dims, built.parts, optimizer, scheduler, loader, metrics, grad_accum, run_dir,
-               built.pipeline, built.loss_fn, checkpointer, start_step)
+               built.pipeline, built.loss_fn, checkpointer, start_step, built.autocast_dtype)
 
 
 def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tensor) -> torch.Tensor:
@@ -116,8 +118,11 @@ def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tenso
         (model,) = job.model_parts
         loss_sum = torch.zeros((), device=device)
         for mb in micro_batches:
-            out = model(mb["input"].to(device))  # logits, or hidden states under loss.chunked
-            loss = job.loss_fn(out, mb["labels"].to(device)) / n_targets
+            # Autocast's weight cache would hold a bf16 copy of every weight until the loss; each is used once.
+            with torch.autocast(device.type, job.autocast_dtype, enabled=job.autocast_dtype is not None,
+                                cache_enabled=False):
+                out = model(mb["input"].to(device))  # logits, or hidden states under loss.chunked
+                loss = job.loss_fn(out, mb["labels"].to(device)) / n_targets
             del out  # free the largest activation before backward allocates
             loss.backward()
             loss_sum += loss.detach()

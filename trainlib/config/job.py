@@ -54,6 +54,10 @@ class TrainingConfig:
     max_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm; <= 0 disables clipping"})
     mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    mixed_precision_impl: Literal["auto", "fsdp", "autocast"] = field(default="auto", metadata={"help": (
+        "how a bfloat16 mixed_precision_param is applied: auto = torch.autocast over fp32 weights in a job of one "
+        "rank, FSDP's mixed-precision policy otherwise; fsdp = FSDP everywhere (also on one rank); "
+        "autocast = autocast (one rank only)")})
 
     def __post_init__(self) -> None:
         for key in ("steps", "seq_len", "global_batch_size"):

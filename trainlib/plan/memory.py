@@ -53,7 +53,7 @@ def block_activation_bytes_per_token(args, *, tp: int, sp: bool, elem: int, mode
       attention       q, k, v after RoPE, the SDPA output (also wo's input), fp32 logsumexp per head
       SwiGLU          w1 out, silu out, w3 out, their product
     `full` keeps the block input only; `selective_op` keeps the block input
-    plus the matmul outputs (all, or wk/wo/w3 for every_other_mm), the SDPA
+    plus the matmul outputs (all, or wq/wv/w1/w2 for every_other_mm), the SDPA
     outputs and, under SP, the reduce-scatter outputs."""
     d, f, hd = args.dim, args.ffn_dim, args.head_dim
     dq, dkv = args.n_heads * hd / tp, args.n_kv_heads * hd / tp
@@ -65,7 +65,7 @@ def block_activation_bytes_per_token(args, *, tp: int, sp: bool, elem: int, mode
     if mode == "selective_op":
         mm = [dq, dkv, dkv, d, f / tp, f / tp, d]  # wq wk wv wo w1 w3 w2 outputs (wo/w2: partial sums, whole seq)
         if policy == "every_other_mm":
-            mm = [dkv, d, f / tp]
+            mm = [dq, dkv, f / tp, d]  # wq wv w1 w2
         rs = 2 * elem * d / ts if (sp and tp > 1) else 0
         return block_in + elem * sum(mm) + sdpa + rs
     norms = 2 * (8 * d + 4) / ts
