@@ -53,7 +53,7 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelPar
     with torch.device("meta"):
         model = spec.model_cls(args, rope_len=t.seq_len)
     n_params = count_params(model)
-    autocast = dims.autocast_dtype(t.param_dtype, t.mixed_precision_impl)
+    autocast = dims.autocast_dtype(t.param_dtype, t.mixed_precision_impl, cfg.parallelism.fsdp_cpu_offload)
     param_dtype = torch.float32 if autocast else t.param_dtype  # under autocast the weights stay fp32
     check_float8_hardware(cfg.float8, device)
     convert_float8(model, cfg.float8, fsdp=dims.uses_fsdp(param_dtype))

@@ -76,8 +76,8 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
         save_config(cfg, run_dir / "config.toml")
 
     built = build_model_parts(cfg, dims, info.device)  # meta build, float8, PP split, parallelize
-    for part in built.parts:
-        init_model_weights(part, t.seed, info.device)
+    for part in built.parts:  # FSDP's CPU offload wants its parameter shards materialised on the CPU
+        init_model_weights(part, t.seed, info.device, "cpu" if cfg.parallelism.fsdp_cpu_offload else None)
         part.train()
 
     optimizer = build_optimizer(built.parts, cfg.optimizer)

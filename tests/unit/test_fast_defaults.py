@@ -60,19 +60,19 @@ def test_autocast_on_several_ranks_is_a_one_line_error():
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("impl", ["auto", "fsdp"])
-def test_one_rank_bf16_build(impl):
+@pytest.mark.parametrize("impl,offload", [("auto", False), ("fsdp", False), ("auto", True)])
+def test_one_rank_bf16_build(impl, offload):
     cfg = load_job_config(None, ["--training.mixed_precision_param=bfloat16",
-                                 f"--training.mixed_precision_impl={impl}"])
+                                 f"--training.mixed_precision_impl={impl}", f"--parallelism.fsdp_cpu_offload={offload}"])
     info = init_distributed(cfg.comm)
     try:
         dims = ParallelDims.from_config(cfg.parallelism, 1)
         dims.build_mesh("cpu")
         built = build_model_parts(cfg, dims, torch.device("cpu"))
         (model,) = built.parts
-        if impl == "auto":  # fp32 master weights, no FSDP, bf16 compute by autocast
+        if impl == "auto" and not offload:  # fp32 master weights, no FSDP, bf16 compute by autocast
             assert built.autocast_dtype == torch.bfloat16 and not isinstance(model, FSDPModule)
-        else:
+        else:  # asked for, or needed by the CPU offload (FSDP's)
             assert built.autocast_dtype is None and isinstance(model, FSDPModule)
         assert {p.dtype for p in model.parameters()} == {torch.float32}  # FSDP's shards are fp32 too
     finally:

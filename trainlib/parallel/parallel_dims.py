@@ -110,7 +110,8 @@ class ParallelDims:
         `autocast_dtype`, whose caller then passes float32 here)."""
         return self.dp_replicate * self.dp_shard * self.cp > 1 or param_dtype != torch.float32
 
-    def autocast_dtype(self, param_dtype: torch.dtype, impl: str = "auto") -> torch.dtype | None:
+    def autocast_dtype(self, param_dtype: torch.dtype, impl: str = "auto", cpu_offload: bool = False
+                       ) -> torch.dtype | None:
         """The torch.autocast dtype that applies a lower `param_dtype`
         (training.mixed_precision_param) instead of FSDP, or None.
 
@@ -118,8 +119,9 @@ class ParallelDims:
         FSDP; "autocast" and "auto" use autocast over fp32 weights in a job of
         one rank, where FSDP's only work would be a bf16 copy of every
         parameter per step and a one-rank gradient reduce. "auto" keeps FSDP
-        on more ranks; "autocast" there is an error."""
-        if param_dtype == torch.float32 or impl == "fsdp":
+        on more ranks, and on one rank when `cpu_offload` (FSDP's) is asked;
+        "autocast" on more ranks is an error."""
+        if param_dtype == torch.float32 or impl == "fsdp" or (impl == "auto" and cpu_offload):
             return None
         if self.world_size == 1:
             return param_dtype
