@@ -98,6 +98,22 @@ def kept_reason(module: nn.Module, fqn: str, cfg: Float8Config) -> str | None:
     return None
 
 
+def refusal(recipe: str, compiled: bool, ac_mode: str, selective_op_policy: str) -> str | None:
+    """Why this float8 x compile x AC combination is refused at setup, or None.
+
+    Refused: combinations measured to train wrong whose cause is not found. A
+    silent wrong run is worse than none (docs/gpu-next-session.md: how to find
+    the cause with a GPU, and lift this)."""
+    if (recipe.startswith("rowwise") and compiled and ac_mode == "selective_op"
+            and selective_op_policy == "every_other_mm"):
+        return (f"float8.recipe = '{recipe}' with compile.enable and activation_checkpoint.mode = 'selective_op', "
+                f"selective_op_policy = 'every_other_mm' trained wrong on one H100 (torch 2.11, torchao 0.17: grad "
+                f"norm 3287 at step 1 against 41 in bf16, then a NaN loss; rowwise was finite in eager and with AC "
+                f"all_mm, full or none) and the cause is not yet found; set selective_op_policy = 'all_mm', "
+                f"another activation_checkpoint.mode, compile.enable = false, or float8.recipe = 'tensorwise'")
+    return None
+
+
 def check_float8_hardware(cfg: Float8Config, device: torch.device) -> None:
     """Refuse early, in one line, where float8 matmuls cannot run."""
     if not cfg.enable or cfg.emulate or device.type != "cuda":

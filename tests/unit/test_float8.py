@@ -131,3 +131,33 @@ def test_startup_line_counts_each_shape(caplog):
     (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("float8")]
     assert line == ("float8 tensorwise: 10 linears converted: 4 x 4096->4096, 4 x 4096->14336, 2 x 14336->4096; "
                     "kept in high precision: 4 x 4096->1024 (size < min_size 2048), 1 x 4096->128256 (filter_fqns)")
+
+
+REFUSED = ["float8.enable=true", "compile.enable=true", "activation_checkpoint.mode=selective_op",
+           "activation_checkpoint.selective_op_policy=every_other_mm"]
+
+
+def _validate_float8_job(overrides):
+    from trainlib.config import load_job_config
+    from trainlib.config.validate import validate_job
+    from trainlib.parallel import ParallelDims
+
+    cfg = load_job_config(None, ["--parallelism.dp_shard=1", *(f"--{o}" for o in overrides)])
+    validate_job(cfg, ParallelDims(world_size=1, dp_shard=1), get_model_args("debug"), 256)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_measured_nan_combination_is_refused_at_setup(recipe):
+    # Issue 11, one H100: rowwise + compile + selective_op every_other_mm gave grad norm 3287 (bf16: 41), then NaN.
+    from trainlib.config import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"float8.recipe = '{recipe}' with compile.enable .*every_other_mm.*"
+                                          r"grad norm 3287 at step 1 against 41 in bf16.*selective_op_policy = 'all_mm'"):
+        _validate_float8_job([*REFUSED, f"float8.recipe={recipe}"])
+
+
+@pytest.mark.parametrize("change", ["float8.recipe=tensorwise", "compile.enable=false", "float8.enable=false",
+                                    "activation_checkpoint.selective_op_policy=all_mm",
+                                    "activation_checkpoint.mode=full"])
+def test_refusal_is_only_the_measured_combination(change):
+    _validate_float8_job([*REFUSED, "float8.recipe=rowwise", change])  # one key away: accepted
