@@ -40,9 +40,10 @@ GRAD_NORM_RTOL, LOSS_RTOL = 0.1, 1e-2
 
 
 def grads(device, recipe: str | None, ac_mode: str, policy: str, compiled: bool, *, n_layers: int = 2,
-          seq: int = SEQ, flavor: str = "llama3.1_8b") -> tuple[float, float, dict]:
+          seq: int = SEQ, flavor: str = "llama3.1_8b", backend: str = "inductor") -> tuple[float, float, dict]:
     """(loss, grad norm, {name: grad}) of one forward+backward, bf16 parameters
-    (as FSDP's mixed precision gives them), float8 `recipe` (None: bf16)."""
+    (as FSDP's mixed precision gives them), float8 `recipe` (None: bf16).
+    `backend` "aot_eager" or "eager" tells a partitioner fault from a codegen one."""
     torch._dynamo.reset()
     args = get_model_args(flavor, n_layers=n_layers, vocab_size=512)
     model = Transformer(args, rope_len=seq).to(device)
@@ -51,7 +52,7 @@ def grads(device, recipe: str | None, ac_mode: str, policy: str, compiled: bool,
         convert_float8(model, Float8Config(enable=True, recipe=recipe, min_size=0), fsdp=False)
     apply_ac(model, ac_mode, selective_op_policy=policy)
     if compiled:
-        apply_compile(model)
+        apply_compile(model, backend=backend)
     model.to(torch.bfloat16)
     g = torch.Generator().manual_seed(0)
     tokens = torch.randint(0, args.vocab_size, (1, seq + 1), generator=g).to(device)
