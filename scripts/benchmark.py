@@ -99,8 +99,11 @@ def run_row(name: str, shape: dict, overrides: list[str], a: argparse.Namespace,
     args = (["--recipe", a.recipe] if a.recipe else []) + args + a.overrides
     row = {"config": name} | plan_row(args, a.gpu)
     env = dict(os.environ, PYTHONPATH=str(REPO))
-    proc = subprocess.run(train_command(1, args), cwd=REPO, env=env, capture_output=True, text=True,
-                          timeout=a.timeout)
+    try:
+        proc = subprocess.run(train_command(1, args), cwd=REPO, env=env, capture_output=True, text=True,
+                              timeout=a.timeout)
+    except subprocess.TimeoutExpired:  # one slow configuration must not lose the others' rows
+        return row | {"error": f"timed out after {a.timeout:.0f} s (--timeout)"}
     if proc.returncode != 0:
         tail = (proc.stdout + proc.stderr).strip().splitlines()[-1:] or ["?"]
         return row | {"error": tail[0][:200]}
@@ -233,9 +236,9 @@ def main(argv: list[str] | None = None) -> int:
         for name, shape, extra in jobs:
             rows.append(run_row(name, shape, extra, a, Path(tmp)))
             print(f"  done {name}", file=sys.stderr, flush=True)
+            if a.out:  # after each row: a run cut short by a time limit keeps what it measured
+                Path(a.out).write_text(json.dumps(rows, indent=1))
     print(table(rows))
-    if a.out:
-        Path(a.out).write_text(json.dumps(rows, indent=1))
     return 1 if any("error" in r for r in rows) else 0
 
 
