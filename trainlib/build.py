@@ -17,6 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from trainlib.errors import ConfigError
 from trainlib.float8 import check_float8_hardware, convert_float8
 from trainlib.loss import chunked_cross_entropy_sum, cross_entropy_sum
 from trainlib.models import count_params
@@ -65,7 +66,7 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelPar
     loss_fn = maybe_compile_loss(cross_entropy_sum, cfg.compile)
     if cfg.loss.chunked:  # the loss applies the output projection's weight, chunk by chunk
         if type(model.output) is not nn.Linear:
-            raise ValueError(
+            raise ConfigError(
                 f"loss.chunked applies the output projection's weight in bf16/fp32 matmuls, but the output layer is "
                 f"a {type(model.output).__name__} (float8.filter_fqns={cfg.float8.filter_fqns} does not exclude "
                 f"'output'); add 'output' to float8.filter_fqns or set loss.chunked=false")

@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from trainlib.checkpoint.convert import dcp_to_hf, hf_to_dcp, saved_model_args
+from trainlib.errors import ConfigError
 from trainlib.models.llama3.model import ModelArgs, get_model_args
 
 
@@ -58,13 +59,13 @@ def main(argv: list[str] | None = None) -> int:
         elif saved_model_args(ckpt) is None:
             args = _args_from_run_config(ckpt)
             if args is None:
-                raise ValueError(f"{ckpt} does not record the model shape and no run config.toml is two folders "
-                                 "up: pass --flavor")
+                raise ConfigError(f"{ckpt} does not record the model shape and no run config.toml is two folders "
+                                  "up: pass --flavor")
         else:
             args = None  # the checkpoint's own
         out = dcp_to_hf(ckpt, ns.out_dir, args, getattr(torch, ns.dtype) if ns.dtype else None)
         print(f"wrote {out / 'model.safetensors'} and {out / 'config.json'}")
-    except (ValueError, FileNotFoundError) as e:
+    except (ConfigError, FileNotFoundError) as e:  # a bad path or folder; anything else keeps its traceback
         print(f"trainlib.convert: error: {e}", file=sys.stderr)
         return 2
     return 0

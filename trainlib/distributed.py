@@ -11,6 +11,8 @@ from typing import Literal
 import torch
 import torch.distributed as dist
 
+from trainlib.errors import ConfigError
+
 logger = logging.getLogger("trainlib")
 
 
@@ -26,7 +28,7 @@ class CommConfig:
     def __post_init__(self) -> None:
         for key in ("init_timeout_seconds", "train_timeout_seconds"):
             if not getattr(self, key) > 0:
-                raise ValueError(f"comm.{key} must be > 0 seconds, got {getattr(self, key)}")
+                raise ConfigError(f"comm.{key} must be > 0 seconds, got {getattr(self, key)}")
 
 
 @dataclass(frozen=True)
@@ -42,7 +44,7 @@ def resolve_device(kind: str, local_rank: int) -> torch.device:
         kind = "cuda" if torch.cuda.is_available() else "cpu"
     if kind == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError("job.device = 'cuda' but no CUDA device is visible; use 'cpu' or 'auto'")
+            raise ConfigError("job.device = 'cuda' but no CUDA device is visible; use 'cpu' or 'auto'")
         torch.cuda.set_device(local_rank)
         return torch.device("cuda", local_rank)
     return torch.device("cpu")
@@ -59,7 +61,7 @@ def init_distributed(cfg: CommConfig, device: str = "auto") -> DistInfo:
     dev = resolve_device(device, local_rank)
     backend = cfg.backend if cfg.backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
     if backend == "nccl" and dev.type != "cuda":
-        raise ValueError("comm.backend = 'nccl' needs job.device = 'cuda'; use 'gloo' on CPU")
+        raise ConfigError("comm.backend = 'nccl' needs job.device = 'cuda'; use 'gloo' on CPU")
     if dist.is_initialized():
         return DistInfo(dist.get_rank(), local_rank, dist.get_world_size(), dev)
     timeout = timedelta(seconds=cfg.init_timeout_seconds)

@@ -39,6 +39,8 @@ from typing import Literal
 import torch
 from torch import nn
 
+from trainlib.errors import ConfigError
+
 logger = logging.getLogger("trainlib")
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
@@ -68,7 +70,7 @@ class Float8Config:
 
     def __post_init__(self) -> None:
         if self.min_size is not None and self.min_size < 0:
-            raise ValueError(f"float8.min_size must be >= 0 (or unset for the recipe's bound), got {self.min_size}")
+            raise ConfigError(f"float8.min_size must be >= 0 (or unset for the recipe's bound), got {self.min_size}")
 
 
 # Per recipe; placed so that on Llama shapes they keep what torchao's H100
@@ -120,7 +122,7 @@ def check_float8_hardware(cfg: Float8Config, device: torch.device) -> None:
         return  # CPU has torch._scaled_mm; emulation runs anywhere
     cap = torch.cuda.get_device_capability(device)
     if cap < (8, 9):
-        raise ValueError(
+        raise ConfigError(
             f"float8.enable needs float8 matmuls (CUDA compute capability >= 8.9: Ada, Hopper, Blackwell), "
             f"but {torch.cuda.get_device_name(device)} is sm_{cap[0]}{cap[1]}; set float8.enable=false, "
             f"or float8.emulate=true to test numerics without a speed-up"
@@ -162,7 +164,7 @@ def convert_float8(model: nn.Module, cfg: Float8Config, *, fsdp: bool) -> list[s
     convert_to_float8_training(model, config=config, module_filter_fn=convert)
     kept_text = ", ".join(f"{n} x {k}" for k, n in kept.items()) or "none"
     if not converted:
-        raise ValueError(
+        raise ConfigError(
             f"float8.enable is set but no linear layer was converted (kept in high precision: {kept_text}); "
             f"lower float8.min_size (0 converts every linear), narrow float8.filter_fqns, or set float8.enable=false")
     logger.info(f"float8 {cfg.recipe}{' (emulated)' if cfg.emulate else ''}: {len(converted)} linears converted"

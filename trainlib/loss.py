@@ -19,6 +19,8 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
+from trainlib.errors import ConfigError
+
 IGNORE_INDEX = -100
 
 
@@ -35,7 +37,7 @@ class LossConfig:
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 1:
-            raise ValueError(f"loss.chunk_tokens must be >= 1, got {self.chunk_tokens}")
+            raise ConfigError(f"loss.chunk_tokens must be >= 1, got {self.chunk_tokens}")
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:

@@ -5,18 +5,26 @@ step, loss, grad_norm, lr, tokens_per_second (global), step_time_s, tflops
 (achieved per device), mfu (null where the device's peak is unknown),
 peak_memory_gib. Add fields; never rename these.
 Added fields: mfu_basis ("bf16_peak": the denominator of mfu, whatever the
-matmul precision) and matmul_precision ("float8" when float8 linears run,
-else "default").
+matmul precision), matmul_precision ("float8" when float8 linears run,
+else "default") and tokens_seen_per_dataset ({dataset name: input tokens of
+the global batch since step 0}, from the data loader; see docs/data.md).
 
 To add a field the loop measures, pass it to `MetricsLogger.log` as a keyword
 (`log(step, loss=..., grad_norm=..., lr=..., val_loss=...)`): it is written to
 metrics.jsonl under that name and shown on the console line.
+
+Every line is valid JSON: a NaN or infinite value (a non-finite loss, say) is
+written as null, and the record's `nonfinite` field maps each such key to its
+value as text (`{"loss": "nan", "grad_norm": "inf"}`). Records written at one
+point without a step in between (the guard's event records, trainlib.guard)
+share the timing fields of the window that ends there.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import resource
 import sys
@@ -26,6 +34,7 @@ from pathlib import Path
 
 import torch
 
+from trainlib.errors import ConfigError
 from trainlib.hardware import gpu_of_device
 
 logger = logging.getLogger("trainlib")
@@ -39,7 +48,7 @@ class MetricsConfig:
 
     def __post_init__(self) -> None:
         if self.log_freq < 1:
-            raise ValueError(f"metrics.log_freq must be >= 1, got {self.log_freq}")
+            raise ConfigError(f"metrics.log_freq must be >= 1, got {self.log_freq}")
 
 
 def device_peak_flops(device: torch.device) -> float | None:
@@ -91,6 +100,7 @@ class MetricsLogger:
         self._window_start = time.perf_counter()
         self._window_steps = 0
         self._window_tokens = 0
+        self._last_window: tuple[float, int, float] | None = None  # (seconds, steps, tokens/s)
 
     def should_log(self, step: int, last_step: int) -> bool:
         return step % self.cfg.log_freq == 0 or step == last_step or step == 1
@@ -103,9 +113,10 @@ class MetricsLogger:
     def log(self, step: int, *, loss: float, grad_norm: float, lr: float, **fields: float) -> dict:
         """Write one record: the contract fields, then `fields` (added names, never a contract name)."""
         now = time.perf_counter()
-        elapsed = max(now - self._window_start, 1e-9)
-        steps = max(self._window_steps, 1)
-        tps = self._window_tokens / elapsed
+        if self._window_steps or self._last_window is None:
+            elapsed = max(now - self._window_start, 1e-9)
+            self._last_window = elapsed, max(self._window_steps, 1), self._window_tokens / elapsed
+        elapsed, steps, tps = self._last_window
         tflops = tps / self.world_size * self.flops_per_token / 1e12
         record = {
             "step": step,
@@ -127,9 +138,12 @@ class MetricsLogger:
         if clash:
             raise TypeError(f"MetricsLogger.log: {sorted(clash)} are built-in fields; give added fields new names")
         record.update(fields)
+        nonfinite = {k: repr(v) for k, v in record.items() if isinstance(v, float) and not math.isfinite(v)}
+        if nonfinite:
+            record.update(dict.fromkeys(nonfinite), nonfinite=nonfinite)
         if self.rank == 0:
             if self._file is not None:
-                self._file.write(json.dumps(record) + "\n")
+                self._file.write(json.dumps(record, allow_nan=False) + "\n")
                 self._file.flush()
             if self.cfg.console:
                 mfu = f"{100 * record['mfu']:.1f}%" if record["mfu"] is not None else "n/a"

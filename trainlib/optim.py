@@ -11,6 +11,8 @@ import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
+from trainlib.errors import ConfigError
+
 
 @dataclass
 class OptimizerConfig:
@@ -22,17 +24,19 @@ class OptimizerConfig:
     weight_decay: float = 0.1
     # "auto": fused (torch's one-kernel AdamW, for plain tensors and DTensors
     # alike) when every parameter is on CUDA, foreach elsewhere (CPU keeps
-    # foreach's numerics); an explicit value is used as given.
+    # foreach's numerics); an explicit value is used as given. fused runs on
+    # CPU too, and lets the guard withhold an update without a host sync
+    # (trainlib.guard).
     implementation: Literal["auto", "foreach", "fused", "for-loop"] = "auto"
 
     def __post_init__(self) -> None:
         if not self.lr > 0:
-            raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
+            raise ConfigError(f"optimizer.lr must be > 0, got {self.lr}")
         for key in ("beta1", "beta2"):
             if not 0 <= getattr(self, key) < 1:
-                raise ValueError(f"optimizer.{key} must be in [0, 1), got {getattr(self, key)}")
+                raise ConfigError(f"optimizer.{key} must be in [0, 1), got {getattr(self, key)}")
         if self.weight_decay < 0:
-            raise ValueError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+            raise ConfigError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
 
 
 @dataclass
@@ -47,11 +51,11 @@ class LRSchedulerConfig:
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 0:
-            raise ValueError(f"lr_scheduler.warmup_steps must be >= 0, got {self.warmup_steps}")
+            raise ConfigError(f"lr_scheduler.warmup_steps must be >= 0, got {self.warmup_steps}")
         if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+            raise ConfigError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
         if not 0 < self.decay_ratio <= 1:
-            raise ValueError(f"lr_scheduler.decay_ratio must be in (0, 1], got {self.decay_ratio}")
+            raise ConfigError(f"lr_scheduler.decay_ratio must be in (0, 1], got {self.decay_ratio}")
 
 
 def resolve_implementation(implementation: str, params: Iterable[torch.Tensor]) -> str:

@@ -25,9 +25,11 @@ from trainlib.build import build_model_parts, describe_choices
 from trainlib.checkpoint import Checkpointer, ModelState, OptimizerState, TrainState
 from trainlib.config import ConfigError, JobConfig, load_job_config, save_config
 from trainlib.config.validate import resolve_local_batch_size, validate_job
-from trainlib.data import PackedDataLoader, build_dataloader, build_tokenizer
+from trainlib.data import DataLoader, build_dataloader, build_tokenizer
 from trainlib.distributed import DistInfo, destroy_distributed, init_distributed, set_collective_timeout
+from trainlib.errors import EXIT_INTERNAL, EXIT_STOPPED, EXIT_USER, TrainingStopped, print_once_per_node, report_crash
 from trainlib.float8 import float8_post_optimizer_step
+from trainlib.guard import Guard
 from trainlib.loss import count_targets, cross_entropy_sum
 from trainlib.metrics import MetricsLogger, setup_logging
 from trainlib.models.registry import get_model_spec, model_args
@@ -49,7 +51,7 @@ class Job:
     model_parts: list[nn.Module]  # one model, or this rank's pipeline stages
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
-    loader: PackedDataLoader
+    loader: DataLoader
     metrics: MetricsLogger
     grad_accum: int
     run_dir: Path
@@ -57,12 +59,13 @@ class Job:
     loss_fn: Callable = cross_entropy_sum  # (model output, labels) -> loss sum; see build.ModelParts
     checkpointer: Checkpointer | None = None
     start_step: int = 0  # the last step already done (restored from a checkpoint)
+    guard: Guard | None = None
     autocast_dtype: torch.dtype | None = None  # bf16 on one rank (build.ModelParts.autocast_dtype)
 
 
 def setup(cfg: JobConfig, info: DistInfo) -> Job:
     """Validate and build. Every user-input error surfaces here, before any
-    step runs, as a ValueError whose message says what to change."""
+    step runs, as a ConfigError whose message says what to change."""
     t = cfg.training
     dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
     tokenizer = build_tokenizer(cfg.tokenizer)
@@ -84,9 +87,10 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     dp_rank, dp_world = dims.dp_coords()
     loader = build_dataloader(cfg.data, tokenizer, t.seq_len, local_bs, dp_rank, dp_world, t.seed)
+    guard = Guard(t, optimizer, info.device)
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, {
         "model": ModelState(built.parts), "optimizer": OptimizerState(built.parts, optimizer),
-        "scheduler": scheduler, "dataloader": loader,
+        "scheduler": scheduler, "dataloader": loader, "guard": guard,
         "trainer": TrainState(tokens_per_step=t.global_batch_size * t.seq_len, model_args=built.model_args)})
     start_step = checkpointer.load()
     flops = get_model_spec(cfg.model.name).flops_per_token(built.model_args, t.seq_len)
@@ -101,7 +105,7 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     )
     logger.info(describe_choices(cfg, built, implementation_of(optimizer)))
     return Job(cfg, info, dims, built.parts, optimizer, scheduler, loader, metrics, grad_accum, run_dir,
-               built.pipeline, built.loss_fn, checkpointer, start_step, built.autocast_dtype)
+               built.pipeline, built.loss_fn, checkpointer, start_step, guard, built.autocast_dtype)
 
 
 def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tensor) -> torch.Tensor:
@@ -129,23 +133,33 @@ def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tenso
     return loss_sum
 
 
+def global_loss(job: Job, loss_sum: torch.Tensor) -> torch.Tensor:
+    """The step's loss, the same on every rank: summed over the ranks that hold
+    distinct tokens and, under PP, over the stages (only the last holds any)."""
+    dist.all_reduce(loss_sum, group=job.dims.mesh("dp_cp").get_group())
+    if job.dims.pp_enabled:
+        dist.all_reduce(loss_sum, group=job.dims.mesh("pp").get_group())
+    return loss_sum
+
+
 def train_loop(job: Job) -> list[dict]:
     cfg, t, device = job.cfg, job.cfg.training, job.info.device
     dp_group = job.dims.mesh("dp").get_group()
-    loss_group = job.dims.mesh("dp_cp").get_group()
     pp_mesh = job.dims.mesh("pp") if job.dims.pp_enabled else None
     tokens_per_step = t.global_batch_size * t.seq_len
-    records = []
-    for step in range(job.start_step + 1, t.steps + 1):
+    records, step = [], job.start_step
+    while step < t.steps:
+        step += 1
         micro_batches = [next(job.loader) for _ in range(job.grad_accum)]
         # The loss is a mean over every target token of the global batch, so
         # count them across data-parallel ranks before any backward.
         n_targets = sum(count_targets(mb["labels"]) for mb in micro_batches).to(device, torch.float32)
         dist.all_reduce(n_targets, group=dp_group)
 
-        loss_sum = forward_backward(job, micro_batches, n_targets)
+        loss = global_loss(job, forward_backward(job, micro_batches, n_targets))
         grad_norm = clip_grad_norm_([p for m in job.model_parts for p in m.parameters()], t.max_norm, pp_mesh)
-        job.optimizer.step()
+        if job.guard.check(step, loss, grad_norm):  # judged on the device; False: a skip the host knows of
+            job.optimizer.step()
         float8_post_optimizer_step(job.model_parts, cfg.float8)
         job.scheduler.step()
         job.optimizer.zero_grad(set_to_none=True)
@@ -153,12 +167,14 @@ def train_loop(job: Job) -> list[dict]:
         if step == job.start_step + 1:  # past compilation and first-time allocations
             set_collective_timeout(cfg.comm.train_timeout_seconds)
 
-        if job.metrics.should_log(step, t.steps):
-            dist.all_reduce(loss_sum, group=loss_group)  # each rank holds its tokens' share
-            if pp_mesh is not None:  # only last-stage ranks computed a loss; the others hold 0
-                dist.all_reduce(loss_sum, group=pp_mesh.get_group())
-            records.append(job.metrics.log(step, loss=loss_sum.item(), grad_norm=grad_norm.item(),
-                                           lr=job.scheduler.get_last_lr()[0]))
+        log = job.metrics.should_log(step, t.steps)
+        if log or job.guard.event_known or job.checkpointer.due(step, t.steps):  # never save unjudged steps
+            logged, rolled_back_to = job.guard.settle(
+                step, log, job.metrics, job.checkpointer, tokens_seen_per_dataset=job.loader.tokens_seen_per_dataset())
+            records += logged
+            if rolled_back_to is not None:
+                step = rolled_back_to
+                continue
         job.checkpointer.maybe_save(step, t.steps)
     job.checkpointer.close()
     if cfg.checkpoint.export_hf:
@@ -168,20 +184,20 @@ def train_loop(job: Job) -> list[dict]:
 
 def train(cfg: JobConfig) -> list[dict]:
     """Run a whole job; returns the logged metric records (rank 0's view).
-    Raises ValueError (ConfigError included) for bad input, before training."""
+    Raises ConfigError for bad input (before training, or when the data turns
+    out bad), TrainingStopped when the guard stops the run; any other exception
+    is a bug or a failure of the machine and propagates as it is."""
     info = init_distributed(cfg.comm, cfg.job.device)
     setup_logging(info.rank)
     if cfg.job.description:  # also in the run folder's config.toml
         logger.info(f"job: {cfg.job.description}")
     try:
-        try:
-            job = setup(cfg, info)
-        except ConfigError:
-            raise
-        except ValueError as e:  # user input rejected by a component: same clean path as config errors
-            raise ConfigError(str(e)) from e
+        job = setup(cfg, info)
         try:
             return train_loop(job)
+        except TrainingStopped:
+            job.checkpointer.close()  # a save of an earlier step may be in flight: let it commit
+            raise
         finally:
             job.metrics.close()
             # Release FSDP/DTensor state (and the collective work objects it
@@ -208,6 +224,7 @@ def main(argv: list[str] | None = None) -> int:
     if "-h" in argv or "--help" in argv:
         print(parser.format_help())
         return 0
+    run_dir = None  # where a crash report goes, once the config names it
     try:
         ns, overrides = parser.parse_recipe_args(argv)
         if ns.list_recipes:
@@ -217,20 +234,18 @@ def main(argv: list[str] | None = None) -> int:
             print("\n".join(f"{name:<{width}}  {about}" for name, about in available_recipes().items()))
             return 0
         cfg = load_job_config(ns.recipe, overrides)
-    except ConfigError as e:
-        return _user_error(str(e))
-    try:
+        run_dir = cfg.job.dump_folder
         train(cfg)
-    except ConfigError as e:
-        return _user_error(str(e))
+    except ConfigError as e:  # the same input fails the same on every rank: one line per node
+        print_once_per_node(f"trainlib: error: {e}")
+        return EXIT_USER
+    except TrainingStopped as e:  # a verdict every rank reached alike
+        print_once_per_node(f"trainlib: stopped: {e}")
+        return EXIT_STOPPED
+    except Exception as e:  # not a message: the traceback, kept whole, once per node (trainlib.errors)
+        report_crash(e, run_dir)
+        return EXIT_INTERNAL
     return 0
-
-
-def _user_error(msg: str) -> int:
-    # One line per node is enough; the same config fails the same on every rank.
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
-        print(f"trainlib: error: {msg}", file=sys.stderr, flush=True)
-    return 2
 
 
 if __name__ == "__main__":

@@ -30,6 +30,22 @@ RANK is the global rank (`RANK`, 0 without torchrun) or `*` for every rank
                      whichever process writes (the trainer for sync and thread
                      saves, the writer process for `async_with_pinned_mem`)
 
+or one of these, which corrupt a value instead of sending a signal (SIGNAL is
+ignored):
+
+    nan_grad         after step STEP's backward, the first gradient element
+                     this rank holds becomes NaN (entry of
+                     `trainlib.parallel.grad.clip_grad_norm_`), so the global
+                     grad norm is NaN on every rank
+    spike_loss       the loss of step STEP's first micro-batch on this rank
+                     (a pipeline's last stage) is multiplied by 100 (the return
+                     of `trainlib.loss.cross_entropy_sum`): a loss spike
+    raise_in_forward the Llama model's forward raises ValueError in step STEP
+                     on this rank: an internal error, not a user error
+
+The step of these is the one after the last step the run's `TrainState`
+recorded as done (or loaded from a checkpoint, a rollback's included).
+
 Each fault fires at most once per rank over all launches that share
 TRAINLIB_FAULT_DIR (a marker file is created before the signal is sent), so a
 relaunch, a `torchrun --max-restarts` restart or a second torchrun agent whose
@@ -47,7 +63,9 @@ import signal
 import sys
 from pathlib import Path
 
-POINTS = ("after_update", "after_step", "before_commit", "async_in_flight", "mid_write")
+SIGNAL_POINTS = ("after_update", "after_step", "before_commit", "async_in_flight", "mid_write")
+VALUE_POINTS = ("nan_grad", "spike_loss", "raise_in_forward")
+POINTS = SIGNAL_POINTS + VALUE_POINTS
 
 
 def _parse(spec: str) -> list[tuple[int, str, int, str, signal.Signals]]:
@@ -65,7 +83,8 @@ def _parse(spec: str) -> list[tuple[int, str, int, str, signal.Signals]]:
     return faults
 
 
-def _fire(point: str, step: int) -> None:
+def _take(point: str, step: int) -> signal.Signals | None:
+    """The signal of a fault of `point` due at `step` on this rank, once."""
     rank = int(os.environ.get("RANK", "0"))
     for i, p, s, r, sig in FAULTS:
         if p != point or s != step or r not in ("*", str(rank)):
@@ -75,8 +94,66 @@ def _fire(point: str, step: int) -> None:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             continue  # fired in an earlier launch
+        return sig
+    return None
+
+
+def _fire(point: str, step: int) -> None:
+    sig = _take(point, step)
+    if sig is not None:
+        rank = os.environ.get("RANK", "0")
         print(f"[fault injection] {sig.name} rank {rank} at {point} of step {step}", file=sys.stderr, flush=True)
         os.kill(os.getpid(), sig)
+
+
+_done = [0]  # the last step the run's TrainState recorded as done
+
+
+def _note(point: str) -> None:
+    print(f"[fault injection] {point} rank {os.environ.get('RANK', '0')} at step {_done[0] + 1}",
+          file=sys.stderr, flush=True)
+
+
+def _patch_train_state(module) -> None:
+    cls = module.TrainState
+    advance, load_state_dict = cls.advance, cls.load_state_dict
+
+    def advance_(self, step):
+        advance(self, step)
+        _done[0] = self.step
+
+    def load_state_dict_(self, sd):
+        load_state_dict(self, sd)
+        _done[0] = self.step
+
+    cls.advance, cls.load_state_dict = advance_, load_state_dict_
+
+
+def _patch_clip(module) -> None:
+    clip = module.clip_grad_norm_
+
+    def clip_(params, *args, **kwargs):
+        params = list(params)
+        if _take("nan_grad", _done[0] + 1):
+            _note("nan_grad")
+            local = [g.to_local() if hasattr(g, "to_local") else g for g in (p.grad for p in params) if g is not None]
+            next(g for g in local if g.numel()).view(-1)[0] = float("nan")
+        return clip(params, *args, **kwargs)
+
+    module.clip_grad_norm_ = clip_
+
+
+def _patch_loss(module) -> None:
+    loss_fn = module.cross_entropy_sum
+
+    def cross_entropy_sum_(logits, labels):
+        loss = loss_fn(logits, labels)
+        if _take("spike_loss", _done[0] + 1):
+            _note("spike_loss")
+            loss = loss * 100
+        return loss
+
+    module.cross_entropy_sum = cross_entropy_sum_
 
 
 def _patch_checkpointer(module) -> None:
@@ -113,6 +190,18 @@ def _patch_writer(module) -> None:
     cls.write_data = write_data_
 
 
+def _patch_forward(module) -> None:
+    cls = module.Transformer
+    forward = cls.forward
+
+    def forward_(self, *args, **kwargs):
+        if _take("raise_in_forward", _done[0] + 1):
+            raise ValueError(f"injected fault: forward of step {_done[0] + 1} on rank {os.environ.get('RANK', '0')}")
+        return forward(self, *args, **kwargs)
+
+    cls.forward = forward_
+
+
 class _PatchOnImport(importlib.abc.MetaPathFinder):
     """Wraps a module's classes right after the module is first executed, so
     processes that never import it pay nothing."""
@@ -141,8 +230,16 @@ if FAULTS:
         raise SystemExit("TRAINLIB_FAULTS needs TRAINLIB_FAULT_DIR (where once-only markers are kept)")
     _points = {p for _, p, *_ in FAULTS}
     _patches = {}
-    if _points - {"mid_write"}:
+    if _points & set(SIGNAL_POINTS) - {"mid_write"}:
         _patches["trainlib.checkpoint.manager"] = _patch_checkpointer
     if "mid_write" in _points:
         _patches["torch.distributed.checkpoint.filesystem"] = _patch_writer
+    if _points & set(VALUE_POINTS):
+        _patches["trainlib.checkpoint.state"] = _patch_train_state
+    if "nan_grad" in _points:
+        _patches["trainlib.parallel.grad"] = _patch_clip
+    if "spike_loss" in _points:
+        _patches["trainlib.loss"] = _patch_loss
+    if "raise_in_forward" in _points:
+        _patches["trainlib.models.llama3.model"] = _patch_forward
     sys.meta_path.insert(0, _PatchOnImport(_patches))

@@ -67,3 +67,24 @@ def test_model_only_initial_load_leaves_the_rest(tmp_path):
     assert ck2.load() == 0  # model only: the run starts at step 0 with a fresh optimizer
     assert torch.equal(model2.output.weight, model.output.weight)
     assert not opt2.state and sched2.last_epoch == 0
+
+
+@pytest.mark.parametrize("poison", ["weight", "moment"])
+def test_a_checkpoint_with_a_non_finite_value_is_refused(tmp_path, poison):
+    from trainlib.checkpoint import complete_steps, incomplete_folders
+    from trainlib.errors import TrainingStopped
+
+    model, opt, sched, ck = _job(tmp_path, interval=1)
+    _train_step(model, opt, sched)
+    ck.maybe_save(1, last_step=3)
+    _train_step(model, opt, sched)
+    with torch.no_grad():  # a NaN that got past the guard some other way
+        if poison == "weight":
+            model.layers["1"].attention.wq.weight[3, 5] = float("inf")
+        else:
+            opt.state[model.norm.weight]["exp_avg_sq"][0] = float("nan")
+    name = "model.layers.1.attention.wq.weight" if poison == "weight" else "optimizer.state.norm.weight.exp_avg_sq"
+    with pytest.raises(TrainingStopped, match=rf"^checkpoint of step 2 refused: 1 tensors hold NaN or Inf "
+                                              rf"\(this rank: {name}\); the latest complete checkpoint stays step 1$"):
+        ck.maybe_save(2, last_step=3)
+    assert complete_steps(ck.root) == [1] and incomplete_folders(ck.root) == []

@@ -31,7 +31,7 @@ TINY = {"tiny2": replace(llama3.FLAVORS["debug"], n_layers=2, dim=32, ffn_dim=64
 
 def _get_args(flavor, **overrides):
     if flavor not in TINY:
-        raise ValueError(f"unknown model.flavor '{flavor}' for tinylm (valid: {', '.join(TINY)})")
+        raise ConfigError(f"unknown model.flavor '{flavor}' for tinylm (valid: {', '.join(TINY)})")
     return replace(TINY[flavor], **{k: v for k, v in overrides.items() if v is not None})
 
 

@@ -65,6 +65,13 @@ def test_unknown_schedule_lists_the_valid_ones():
     (["--parallelism.pp=2", "--parallelism.pp_layers_per_stage=[1, 2]"], r"summing to the 4 layers"),
     (["--parallelism.pp=4", "--parallelism.pp_schedule=Interleaved1F1B"], "8 pipeline stages .* only 4 layers"),
     (["--parallelism.pp=2", "--parallelism.pp_microbatches=3"], "split into parallelism.pp_microbatches"),
+    # torch's own schedule rules, checked before torch would raise them mid-setup
+    (["--parallelism.pp=4", "--parallelism.pp_schedule=1F1B", "--parallelism.pp_microbatches=2"],
+     "needs at least as many micro-batches as stages"),
+    (["--parallelism.pp=2", "--parallelism.pp_schedule=Interleaved1F1B", "--parallelism.pp_microbatches=5",
+      "--training.global_batch_size=20"], "must be a multiple of 2 rounds"),
+    (["--parallelism.pp=2", "--parallelism.pp_schedule=ZBVZeroBubble", "--compile.enable=true"],
+     "not support on compiled blocks"),
 ])
 def test_tp_pp_rules(overrides, match):
     world = 1

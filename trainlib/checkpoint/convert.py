@@ -16,6 +16,7 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
 from trainlib.checkpoint.hf import args_from_dict, read_hf_folder, write_hf_folder
 from trainlib.checkpoint.state import TrainState
+from trainlib.errors import ConfigError
 from trainlib.models.llama3.model import ModelArgs
 
 _ARGS_PREFIX = "trainer.model_args."
@@ -33,7 +34,7 @@ def hf_to_dcp(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> ModelArg
 
 def _metadata(ckpt_dir: Path) -> dict:
     if not (ckpt_dir / ".metadata").is_file():
-        raise ValueError(f"{ckpt_dir} is not a complete DCP checkpoint (no .metadata): pass a step-N folder")
+        raise ConfigError(f"{ckpt_dir} is not a complete DCP checkpoint (no .metadata): pass a step-N folder")
     return FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
 
 
@@ -53,7 +54,7 @@ def read_dcp_model(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
           if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
     if not sd:
-        raise ValueError(f"{ckpt_dir} holds no model tensors (keys model.*): not a trainlib checkpoint")
+        raise ConfigError(f"{ckpt_dir} holds no model tensors (keys model.*): not a trainlib checkpoint")
     dcp.load(sd, checkpoint_id=str(ckpt_dir), no_dist=True)
     return {k[len("model."):]: v for k, v in sd.items()}
 
@@ -66,7 +67,7 @@ def dcp_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, args: Mod
     if args is None:
         args = saved_model_args(ckpt_dir)
         if args is None:
-            raise ValueError(f"{ckpt_dir} does not record the model shape: give it (--flavor)")
+            raise ConfigError(f"{ckpt_dir} does not record the model shape: give it (--flavor)")
     sd = read_dcp_model(ckpt_dir)
     if dtype is not None:
         sd = {k: v.to(dtype) for k, v in sd.items()}

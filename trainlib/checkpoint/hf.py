@@ -15,6 +15,7 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
+from trainlib.errors import ConfigError
 from trainlib.models.llama3.model import ModelArgs
 from trainlib.models.llama3.state_dict_adapter import (
     args_from_hf_config,
@@ -43,8 +44,8 @@ def checkpoint_format(path: str | os.PathLike) -> Literal["hf", "meta", "dcp"]:
         return "meta"
     if (Path(path) / ".metadata").is_file():
         return "dcp"
-    raise ValueError(f"checkpoint.initial_load_path={str(path)!r} is neither a DCP checkpoint folder (.metadata), "
-                     "a Hugging Face folder (config.json + *.safetensors) nor a Meta folder (consolidated.00.pth)")
+    raise ConfigError(f"checkpoint.initial_load_path={str(path)!r} is neither a DCP checkpoint folder (.metadata), "
+                      "a Hugging Face folder (config.json + *.safetensors) nor a Meta folder (consolidated.00.pth)")
 
 
 def is_hf_folder(path: str | os.PathLike) -> bool:
@@ -59,7 +60,7 @@ def read_hf_folder(path: str | os.PathLike) -> tuple[ModelArgs, dict[str, torch.
 
     path = Path(path)
     if not is_hf_folder(path):
-        raise ValueError(f"{path} is not a Hugging Face checkpoint folder: expected config.json and *.safetensors")
+        raise ConfigError(f"{path} is not a Hugging Face checkpoint folder: expected config.json and *.safetensors")
     args = args_from_hf_config(json.loads((path / "config.json").read_text()))
     hf: dict[str, torch.Tensor] = {}
     for f in sorted(path.glob("*.safetensors")):
@@ -84,7 +85,7 @@ def check_shapes(sd: dict[str, torch.Tensor], args: ModelArgs, expected: ModelAr
     if (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size) != (
             expected.dim, expected.n_layers, expected.n_heads, expected.n_kv_heads, expected.ffn_dim,
             expected.vocab_size):
-        raise ValueError(
+        raise ConfigError(
             f"{source} holds a model of dim={args.dim} n_layers={args.n_layers} n_heads={args.n_heads} "
             f"n_kv_heads={args.n_kv_heads} ffn_dim={args.ffn_dim} vocab_size={args.vocab_size}, but this run builds "
             f"dim={expected.dim} n_layers={expected.n_layers} n_heads={expected.n_heads} "
@@ -120,8 +121,8 @@ def load_meta_into_model(model_parts: list[nn.Module], path: str | os.PathLike, 
     The rotary settings come from the run's model.flavor, not from the file."""
     files = sorted(Path(path).glob("consolidated.*.pth"))
     if len(files) != 1:
-        raise ValueError(f"{path} holds {len(files)} consolidated.*.pth files (model-parallel shards); only "
-                         "single-file Meta checkpoints load directly: convert larger ones to HF format first")
+        raise ConfigError(f"{path} holds {len(files)} consolidated.*.pth files (model-parallel shards); only "
+                          "single-file Meta checkpoints load directly: convert larger ones to HF format first")
     sd = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
     sd = {k: v for k, v in sd.items() if not k.startswith("rope.")}
     if "output.weight" not in sd and "tok_embeddings.weight" in sd:

@@ -23,6 +23,9 @@ under its key (see `trainlib.checkpoint.state`). `trainlib.train` registers
               so a different DP degree can resume without skipping or repeating samples
   trainer     step, tokens seen, torch's CPU (and CUDA) generator state of one rank,
               and the model shape (used by `trainlib.convert`)
+  guard       the non-finite/spike guard's budget counts and loss window (trainlib.guard)
+
+A save is refused (TrainingStopped, on every rank) when any part holds a NaN or Inf.
 """
 
 from __future__ import annotations
@@ -46,7 +49,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from trainlib.checkpoint.convert import dcp_to_hf
 from trainlib.checkpoint.hf import checkpoint_format, load_hf_into_model, load_meta_into_model
-from trainlib.checkpoint.state import ModelState, TrainState
+from trainlib.checkpoint.state import ModelState, TrainState, nonfinite_entries
+from trainlib.errors import ConfigError, TrainingStopped
 
 logger = logging.getLogger("trainlib")
 
@@ -75,14 +79,14 @@ class CheckpointConfig:
 
     def __post_init__(self) -> None:
         if self.interval < 1:
-            raise ValueError(f"checkpoint.interval must be >= 1 steps, got {self.interval}")
+            raise ConfigError(f"checkpoint.interval must be >= 1 steps, got {self.interval}")
         if self.keep_latest_k < 0:
-            raise ValueError(f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {self.keep_latest_k}")
+            raise ConfigError(f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {self.keep_latest_k}")
         if self.load_step < -1:
-            raise ValueError(f"checkpoint.load_step must be a step >= 0 or -1 for the latest, got {self.load_step}")
+            raise ConfigError(f"checkpoint.load_step must be a step >= 0 or -1 for the latest, got {self.load_step}")
         if self.export_hf and not self.enable:
-            raise ValueError("checkpoint.export_hf = true needs checkpoint.enable = true (the export is read from "
-                             "the final checkpoint); enable checkpoints or drop export_hf")
+            raise ConfigError("checkpoint.export_hf = true needs checkpoint.enable = true (the export is read from "
+                              "the final checkpoint); enable checkpoints or drop export_hf")
 
 
 # --------------------------------------------------------------------------- folders
@@ -130,8 +134,8 @@ def check_model_matches(path: Path, model_sd: dict[str, Any]) -> None:
         saved = tuple(m.size) if isinstance(m, TensorStorageMetadata) else None
         if saved != tuple(t.shape):
             what = f"has {name} of shape {list(saved)}" if saved else f"has no {name}"
-            raise ValueError(f"checkpoint {path} {what}, this run's model needs {list(t.shape)}: "
-                             "load it with the model.flavor / n_layers / vocab_size it was saved with")
+            raise ConfigError(f"checkpoint {path} {what}, this run's model needs {list(t.shape)}: "
+                              "load it with the model.flavor / n_layers / vocab_size it was saved with")
 
 
 class Checkpointer:
@@ -193,8 +197,8 @@ class Checkpointer:
         steps = complete_steps(self.root)
         if cfg.load_step >= 0:
             if cfg.load_step not in steps:
-                raise ValueError(f"checkpoint.load_step={cfg.load_step} has no complete checkpoint in {self.root} "
-                                 f"(complete steps: {steps or 'none'}); pick one of those or -1 for the latest")
+                raise ConfigError(f"checkpoint.load_step={cfg.load_step} has no complete checkpoint in {self.root} "
+                                  f"(complete steps: {steps or 'none'}); pick one of those or -1 for the latest")
             step = cfg.load_step
         elif steps:
             step = steps[-1]
@@ -216,6 +220,16 @@ class Checkpointer:
         # cannot continue the data stream exactly) before any step runs.
         dcp.load(states, checkpoint_id=str(path))
 
+    def restore_latest(self, exclude: Iterable[str] = ()) -> int | None:
+        """Load the parts not in `exclude` from the latest complete checkpoint
+        (after committing a save in flight). Returns its step, None if there is none."""
+        self.wait()
+        self._barrier()
+        step = latest_step(self.root)
+        if step is not None:
+            self.load_from(step_folder(self.root, step), [k for k in self.states if k not in exclude])
+        return step
+
     def _initial_load(self) -> int:
         path = self.cfg.initial_load_path
         if path is None:
@@ -232,6 +246,10 @@ class Checkpointer:
         return self.train_state.step
 
     # ---- save ------------------------------------------------------------------
+    def due(self, step: int, last_step: int) -> bool:
+        """Whether `maybe_save(step, last_step)` will save."""
+        return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
+
     def maybe_save(self, step: int, last_step: int) -> None:
         """Record `step` as done (in the TrainState), and save if it is due."""
         self.train_state.advance(step)
@@ -239,13 +257,14 @@ class Checkpointer:
             return
         if self._pending is not None and self._pending.done():
             self.wait()  # commit a finished background save now, not at the next save
-        if step % self.cfg.interval == 0 or step == last_step:
+        if self.due(step, last_step):
             self.save()
 
     def save(self) -> None:
-        """Save every part as of now, as the checkpoint of the TrainState's step."""
+        """Save every part as of now, as the checkpoint of the TrainState's step.
+        Refused (TrainingStopped, on every rank) when any part holds a NaN or Inf."""
         t0, step = time.perf_counter(), self.train_state.step
-
+        self._refuse_nonfinite(step)
         self.wait()  # one save in flight at most; its commit must precede the next
         tmp = self.root / f"step-{step}.tmp"
         if self.rank == 0:
@@ -319,6 +338,19 @@ class Checkpointer:
         if self._stager is not None:
             self._stager.close()
             self._stager = None
+
+    def _refuse_nonfinite(self, step: int) -> None:
+        bad = nonfinite_entries(self.states)
+        n = torch.tensor([len(bad)])
+        if dist.is_initialized():  # every rank refuses, or none does
+            n = n.cuda() if dist.get_backend() == "nccl" else n
+            dist.all_reduce(n)
+        if n.item():
+            latest = latest_step(self.root)
+            raise TrainingStopped(
+                f"checkpoint of step {step} refused: {n.item()} tensors hold NaN or Inf"
+                + (f" (this rank: {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})" if bad else "")
+                + f"; the latest complete checkpoint stays {'step ' + str(latest) if latest is not None else 'none'}")
 
     def _barrier(self) -> None:
         if dist.is_initialized() and dist.get_world_size() > 1:

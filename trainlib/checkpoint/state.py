@@ -10,13 +10,17 @@ the model, the optimizer and the run's own position need the adapters here.
 
 from __future__ import annotations
 
+import math
 from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.stateful import Stateful
+from torch.distributed.tensor import DTensor
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
+from trainlib.errors import ConfigError
 from trainlib.params import canonical_name
 
 
@@ -72,8 +76,8 @@ class OptimizerState:
             for k in s:
                 s[k] = sd["state"][f"{names[id(p)]}.{k}"]
         if len(sd["param_groups"]) != len(self.optimizer.param_groups):
-            raise ValueError(f"checkpoint has {len(sd['param_groups'])} optimizer param groups, this optimizer has "
-                             f"{len(self.optimizer.param_groups)}: resume with the same optimizer settings")
+            raise ConfigError(f"checkpoint has {len(sd['param_groups'])} optimizer param groups, this optimizer has "
+                              f"{len(self.optimizer.param_groups)}: resume with the same optimizer settings")
         for g, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
             g.update(saved)
 
@@ -128,3 +132,31 @@ class TrainState:
         torch.set_rng_state(sd["rng"]["cpu"])
         if "cuda" in sd["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(sd["rng"]["cuda"])
+
+
+def nonfinite_entries(states: dict[str, Stateful]) -> list[str]:
+    """Keys (`part.key...`) of this rank's floating-point tensors (a shard's
+    local part) and floats that hold a NaN or an infinity, in every part."""
+    names, tensors, bad = [], [], []
+
+    def walk(prefix: str, value: Any) -> None:
+        if isinstance(value, dict):
+            for k, v in value.items():
+                walk(f"{prefix}.{k}", v)
+        elif isinstance(value, (list, tuple)):
+            for i, v in enumerate(value):
+                walk(f"{prefix}.{i}", v)
+        elif isinstance(value, torch.Tensor) and value.is_floating_point():
+            names.append(prefix)
+            tensors.append(value.to_local() if isinstance(value, DTensor) else value)
+        elif isinstance(value, float) and not math.isfinite(value):
+            bad.append(prefix)
+
+    for key, part in states.items():
+        walk(key, part.state_dict())
+    if tensors:
+        # A sum is NaN or infinite when an element is (and, rarely, when finite values
+        # overflow): a fast first pass, one host read for all, confirmed element-wise.
+        sums = torch.stack([t.sum(dtype=torch.float32).to(tensors[0].device) for t in tensors]).isfinite().tolist()
+        bad += [n for n, t, ok in zip(names, tensors, sums) if not ok and not torch.isfinite(t).all()]
+    return bad

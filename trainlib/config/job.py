@@ -12,8 +12,10 @@ from typing import Literal
 from trainlib.checkpoint.manager import CheckpointConfig
 from trainlib.data import DataConfig, TokenizerConfig
 from trainlib.distributed import CommConfig
+from trainlib.errors import ConfigError
 from trainlib.metrics import MetricsConfig
 from trainlib.float8 import Float8Config
+from trainlib.guard import GuardConfig
 from trainlib.loss import LossConfig
 from trainlib.models.registry import MODELS, model_args
 from trainlib.optim import LRSchedulerConfig, OptimizerConfig
@@ -45,7 +47,9 @@ class ModelConfig:
 
 
 @dataclass
-class TrainingConfig:
+class TrainingConfig(GuardConfig):
+    """The loop's keys; the non-finite/spike guard's keys come from GuardConfig (trainlib.guard)."""
+
     steps: int = 100
     seed: int = 0
     seq_len: int = 256
@@ -60,11 +64,12 @@ class TrainingConfig:
         "autocast = autocast (one rank only)")})
 
     def __post_init__(self) -> None:
+        super().__post_init__()
         for key in ("steps", "seq_len", "global_batch_size"):
             if getattr(self, key) < 1:
-                raise ValueError(f"training.{key} must be >= 1, got {getattr(self, key)}")
+                raise ConfigError(f"training.{key} must be >= 1, got {getattr(self, key)}")
         if self.local_batch_size is not None and self.local_batch_size < 1:
-            raise ValueError(f"training.local_batch_size must be >= 1, got {self.local_batch_size}")
+            raise ConfigError(f"training.local_batch_size must be >= 1, got {self.local_batch_size}")
 
     @property
     def param_dtype(self):

@@ -23,6 +23,8 @@ import typing
 from pathlib import Path
 from typing import Any, Iterable, Literal, Sequence, TypeVar, Union
 
+from trainlib.errors import ConfigError
+
 if sys.version_info >= (3, 11):
     import tomllib
 else:  # pragma: no cover - older interpreters only
@@ -38,13 +40,6 @@ _MISSING = dataclasses.MISSING
 _NONE_WORDS = ("none", "null")
 _TRUE_WORDS = ("true", "1", "yes", "on")
 _FALSE_WORDS = ("false", "0", "no", "off")
-
-
-class ConfigError(ValueError):
-    """A recipe/override problem. Always one line, so it reads well in job logs."""
-
-    def __init__(self, msg: object):
-        super().__init__(re.sub(r"\s*[\r\n]+\s*", " ", str(msg)).strip())
 
 
 def closest_key(name: str, candidates: Iterable[str]) -> str | None:
@@ -251,6 +246,8 @@ def _load(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict]:
             data = tomllib.load(fh)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"invalid TOML in {path}: {e}") from None
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"recipe {path} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
     bases = data.pop("extends", [])
     bases = [bases] if isinstance(bases, str) else bases
     if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):
@@ -358,7 +355,7 @@ def _build(cls: type, tree: dict, path: tuple, base: Any) -> Any:
                               f"with --{dotted}=...")
     try:
         return dataclasses.replace(base, **kwargs) if base is not None else cls(**kwargs)
-    except ValueError as e:  # __post_init__ validation: name the section for context
+    except ConfigError as e:  # __post_init__ validation: name the section for context
         section, msg = ".".join(path), str(e)
         named = section and re.search(rf"(?<![\w.]){re.escape(section)}\b", msg)
         raise ConfigError(msg if not section or named else f"{section}: {msg}") from e

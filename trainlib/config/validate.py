@@ -45,6 +45,10 @@ def validate_job(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs, toke
             f"every pipeline stage needs at least one layer"
         )
     resolve_local_batch_size(cfg, dims)
+    for key in ("on_nonfinite", "on_spike"):
+        if getattr(cfg.training, key) == "rollback" and not cfg.checkpoint.enable:
+            raise ConfigError(f"training.{key} = 'rollback' reloads the last checkpoint, but checkpoint.enable is "
+                              f"false; enable checkpoints or pick 'skip' or 'stop'")
     _validate_tp_pp(cfg, dims, model_args)
     _validate_cp(cfg, dims)
     _validate_cpu_offload(cfg, dims)
@@ -112,6 +116,18 @@ def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -
         raise ConfigError(
             f"the local batch ({local_bs} sequences) must split into parallelism.pp_microbatches ({n_mb}) "
             f"equal pipeline micro-batches; set pp_microbatches to a divisor of {local_bs} or change the batch")
+    # torch.distributed.pipelining's own rules (its schedules raise them as ValueError/RuntimeError at build).
+    if sched in ("1F1B", "DualPipeV") and n_mb < n_stages:
+        raise ConfigError(f"parallelism.pp_schedule '{sched}' needs at least as many micro-batches as stages: "
+                          f"pp_microbatches ({n_mb}) < {n_stages} stages; raise pp_microbatches (and the batch)")
+    rounds = max(1, n_mb // dims.pp)
+    if sched in ("Interleaved1F1B", "InterleavedZeroBubble") and n_mb % rounds:
+        raise ConfigError(f"parallelism.pp_schedule '{sched}' runs the micro-batches in rounds of pp ({dims.pp}): "
+                          f"pp_microbatches ({n_mb}) must be a multiple of {rounds} rounds; e.g. {rounds * dims.pp}")
+    if sched in pp_lib.ZERO_BUBBLE_SCHEDULES and cfg.compile.enable:
+        raise ConfigError(f"parallelism.pp_schedule '{sched}' splits backward into input and weight passes, which "
+                          f"torch does not support on compiled blocks; set compile.enable = false or use "
+                          f"GPipe/1F1B/Interleaved1F1B/LoopedBFS")
     if sched in pp_lib.ZERO_BUBBLE_SCHEDULES and par.fsdp_reshard_after_forward == "always":
         raise ConfigError(
             f"parallelism.pp_schedule '{sched}' with fsdp_reshard_after_forward = 'always' trains silently wrong "

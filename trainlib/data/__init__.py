@@ -1,12 +1,15 @@
-"""Data: tokenizers, the shipped corpus and the packed, DP-shardable data loader."""
+"""Data: tokenizers, the shipped corpus, the packed DP-shardable loaders (on the fly, or over
+prepared token shards written by `python -m trainlib.data.prepare`)."""
 
 from trainlib.data.dataset import (
     DEFAULT_CORPUS_PATH,
     DataConfig,
+    DataLoader,
     PackedDataLoader,
     build_dataloader,
     resolve_data_files,
 )
+from trainlib.data.prepared import PreparedDataLoader
 from trainlib.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -19,7 +22,9 @@ from trainlib.data.tokenizer import (
 __all__ = [
     "DEFAULT_CORPUS_PATH",
     "DataConfig",
+    "DataLoader",
     "PackedDataLoader",
+    "PreparedDataLoader",
     "build_dataloader",
     "resolve_data_files",
     "ByteTokenizer",

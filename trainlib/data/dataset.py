@@ -23,6 +23,10 @@ always samples ``[s*G, (s+1)*G)`` -- whatever the DP degree and local batch size
 offset inside that document, samples consumed), so it is the same on every rank and
 can be loaded under another DP degree / local batch size as long as
 ``samples_consumed`` is a multiple of the new group size.
+
+This module reads raw files on the fly; ``build_dataloader`` returns the loader over
+prepared token shards (trainlib/data/prepared.py, same contract) when ``data.path`` is a
+prepared folder or ``data.mixture`` is set.
 """
 
 from __future__ import annotations
@@ -38,8 +42,12 @@ from typing import Any, Callable, Iterator, Literal
 import numpy as np
 import torch
 
+from trainlib.data.prepared import PreparedDataLoader, build_prepared_loader, is_prepared
+from trainlib.errors import ConfigError
+
 __all__ = [
     "DataConfig",
+    "DataLoader",
     "PackedDataLoader",
     "build_dataloader",
     "resolve_data_files",
@@ -62,18 +70,30 @@ class DataConfig:
     path: str | None = field(
         default=None,
         metadata={"help": "local file, directory (its supported files, sorted) or glob of .jsonl/.json/.txt[.gz] "
-                          "or .parquet files; unset (with no hf_dataset) = the shipped corpus"},
+                          "or .parquet files, or a prepared folder (python -m trainlib.data.prepare; see "
+                          "docs/data.md); unset (with no hf_dataset) = the shipped corpus"},
     )
     hf_dataset: str | None = field(default=None, metadata={"help": "hub dataset name, streamed (needs network); exclusive with path"})
     hf_subset: str | None = field(default=None, metadata={"help": "hub dataset subset (config name)"})
     split: str = field(default="train", metadata={"help": "dataset split"})
     text_field: str = field(default="text", metadata={"help": "field holding each document's text"})
-    shuffle_documents: bool = field(default=False, metadata={"help": "shuffle document order each epoch (seed + epoch)"})
+    shuffle_documents: bool = field(default=False, metadata={"help": "raw files: shuffle document order each epoch (seed + epoch)"})
     # Streaming shuffle: bigger = closer to a full shuffle, more memory.
     shuffle_buffer_size: int = field(default=10_000, metadata={"help": "documents held by the streaming shuffle buffer"})
     txt_sample_by: Literal["document", "paragraph", "line"] = field(
         default="document", metadata={"help": "how .txt files split into documents: whole file, blank-line paragraphs, or lines"}
     )
+    # Prepared data (folders written by `python -m trainlib.data.prepare`; see docs/data.md).
+    mixture: list[str] = field(
+        default_factory=list,
+        metadata={"help": "prepared folders with weights, 'DIR:WEIGHT' each, e.g. ['web:0.7', 'code:0.3']; "
+                          "exclusive with path and hf_dataset"},
+    )
+    shuffle_samples: bool = field(
+        default=False, metadata={"help": "prepared data: a new permutation of the windows each epoch (seed, epoch)"}
+    )
+    prefetch: int = field(default=2, metadata={"help": "prepared data: batches built ahead by a background thread; 0 = none"})
+    pin_memory: bool = field(default=True, metadata={"help": "prepared data: page-locked batches when CUDA is available"})
 
 
 # --------------------------------------------------------------------------- files
@@ -99,24 +119,24 @@ def resolve_data_files(path: str) -> tuple[str, list[str]]:
     if any(c in path for c in "*?["):
         matches = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
         if not matches:
-            raise ValueError(f"data.path={path!r} matches no files: point data.path at existing {_SUPPORTED_DESC} files")
+            raise ConfigError(f"data.path={path!r} matches no files: point data.path at existing {_SUPPORTED_DESC} files")
         files = [p for p in matches if _format_of(p) is not None]
         if not files:
-            raise ValueError(f"data.path={path!r} matches no supported files: expected {_SUPPORTED_DESC}")
+            raise ConfigError(f"data.path={path!r} matches no supported files: expected {_SUPPORTED_DESC}")
     elif os.path.isdir(path):
         names = sorted(n for n in os.listdir(path) if not n.startswith((".", "_")))
         files = [os.path.join(path, n) for n in names if os.path.isfile(os.path.join(path, n)) and _format_of(n)]
         if not files:
-            raise ValueError(f"data.path={path!r} is a directory with no supported files: expected {_SUPPORTED_DESC}")
+            raise ConfigError(f"data.path={path!r} is a directory with no supported files: expected {_SUPPORTED_DESC}")
     elif os.path.isfile(path):
         if _format_of(path) is None:
-            raise ValueError(f"data.path={path!r} has an unsupported extension: expected {_SUPPORTED_DESC}")
+            raise ConfigError(f"data.path={path!r} has an unsupported extension: expected {_SUPPORTED_DESC}")
         files = [path]
     else:
-        raise ValueError(f"data.path={path!r} does not exist: set data.path to a file, directory or glob (or leave it unset for the shipped corpus)")
+        raise ConfigError(f"data.path={path!r} does not exist: set data.path to a file, directory or glob (or leave it unset for the shipped corpus)")
     formats = sorted({_format_of(f) for f in files})
     if len(formats) > 1:
-        raise ValueError(f"data.path={path!r} mixes file formats {formats}: point data.path at files of one format (e.g. a glob)")
+        raise ConfigError(f"data.path={path!r} mixes file formats {formats}: point data.path at files of one format (e.g. a glob)")
     return formats[0], files  # type: ignore[return-value]
 
 
@@ -125,9 +145,9 @@ class _DocumentSource:
 
     def __init__(self, cfg: DataConfig, seed: int):
         if cfg.path is not None and cfg.hf_dataset is not None:
-            raise ValueError("data.path and data.hf_dataset are exclusive: set only one of them")
+            raise ConfigError("data.path and data.hf_dataset are exclusive: set only one of them")
         if cfg.shuffle_buffer_size < 1:
-            raise ValueError(f"data.shuffle_buffer_size={cfg.shuffle_buffer_size} must be >= 1")
+            raise ConfigError(f"data.shuffle_buffer_size={cfg.shuffle_buffer_size} must be >= 1")
         self.cfg = cfg
         self.seed = int(seed)
         if cfg.hf_dataset is not None:
@@ -160,7 +180,7 @@ class _DocumentSource:
                         **kwargs,
                     )
                 except StopIteration:  # `datasets` peeks at the first rows; empty files end that early
-                    raise ValueError(
+                    raise ConfigError(
                         f"{self.description} has no documents: point data.path at non-empty data"
                     ) from None
             self._dataset = ds
@@ -178,14 +198,14 @@ class _DocumentSource:
             try:
                 text = example[name]
             except KeyError:
-                raise ValueError(
+                raise ConfigError(
                     f"data.text_field={name!r} is not a field of {self.description}; "
                     f"fields present: {sorted(example)}"
                 ) from None
             if text is None:
                 text = ""
             elif not isinstance(text, str):
-                raise ValueError(
+                raise ConfigError(
                     f"data.text_field={name!r} of {self.description} holds {type(text).__name__}, not text"
                 )
             yield text
@@ -230,14 +250,14 @@ class _PackedStream:
         except StopIteration:
             pass
         if self._read_doc == 0:
-            raise ValueError("the data source has no documents: point data.path/data.hf_dataset at non-empty data")
+            raise ConfigError("the data source has no documents: point data.path/data.hf_dataset at non-empty data")
         self._read_epoch += 1
         self._read_doc = 0
         self._docs = self._documents(self._read_epoch)
         try:
             return next(self._docs)
         except StopIteration:
-            raise ValueError("the data source has no documents: point data.path/data.hf_dataset at non-empty data") from None
+            raise ConfigError("the data source has no documents: point data.path/data.hf_dataset at non-empty data") from None
 
     def _read_one(self) -> None:
         text = self._next_text()
@@ -263,7 +283,7 @@ class _PackedStream:
             try:
                 next(self._docs)
             except StopIteration:
-                raise ValueError(
+                raise ConfigError(
                     f"data state points at document {doc_index} of epoch {epoch}, but the data has only "
                     f"{self._read_doc} documents: resume with the same data as the checkpoint"
                 ) from None
@@ -274,13 +294,13 @@ class _PackedStream:
         try:
             text = next(self._docs)
         except StopIteration:
-            raise ValueError(
+            raise ConfigError(
                 f"data state points at document {doc_index} of epoch {epoch}, but the data has only "
                 f"{doc_index} documents: resume with the same data as the checkpoint"
             ) from None
         arr = self._encode(text)
         if not 0 <= token_offset < len(arr):
-            raise ValueError(
+            raise ConfigError(
                 f"data state token offset {token_offset} is outside document {doc_index} ({len(arr)} tokens): "
                 "resume with the same data and tokenizer as the checkpoint"
             )
@@ -387,6 +407,11 @@ class PackedDataLoader:
             "position_ids": torch.from_numpy(positions),
         }
 
+    def tokens_seen_per_dataset(self) -> dict[str, int]:
+        """Input tokens the global batch has taken so far (all ranks), under the source's name."""
+        name = self.cfg.hf_dataset or self.cfg.path or DEFAULT_CORPUS_PATH
+        return {name: self.samples_consumed * self.seq_len}
+
     def state_dict(self) -> dict:
         epoch, doc_index, token_offset = self._stream.position()
         return {
@@ -411,18 +436,18 @@ class PackedDataLoader:
         if get("version") != _STATE_VERSION:
             raise ValueError(f"data state_dict version {sd['version']} is not supported (expected {_STATE_VERSION})")
         if get("seq_len") != self.seq_len:
-            raise ValueError(
+            raise ConfigError(
                 f"data state_dict was saved with seq_len={get('seq_len')}, this loader has seq_len={self.seq_len}: "
                 "resume with the same seq_len"
             )
         if "vocab_size" in sd and get("vocab_size") != int(self.tokenizer.vocab_size):
-            raise ValueError(
+            raise ConfigError(
                 f"data state_dict was saved with a tokenizer of vocab_size={get('vocab_size')}, this one has "
                 f"{self.tokenizer.vocab_size}: resume with the same tokenizer"
             )
         consumed = get("samples_consumed")
         if consumed % self.group_size:
-            raise ValueError(
+            raise ConfigError(
                 f"cannot resume: samples_consumed={consumed} is not a multiple of dp_world*local_batch_size="
                 f"{self.dp_world}*{self.local_batch_size}={self.group_size}; choose a DP degree and local batch "
                 "size whose product divides it"
@@ -444,6 +469,9 @@ class PackedDataLoader:
         )
 
 
+DataLoader = PackedDataLoader | PreparedDataLoader
+
+
 def build_dataloader(
     cfg: DataConfig,
     tokenizer: Any,
@@ -452,5 +480,12 @@ def build_dataloader(
     dp_rank: int = 0,
     dp_world: int = 1,
     seed: int = 0,
-) -> PackedDataLoader:
+) -> DataLoader:
+    """The loader over prepared data when ``data.path`` is a prepared folder or ``data.mixture``
+    is set; else the on-the-fly loader over raw files (or the shipped corpus)."""
+    if cfg.mixture or (cfg.path is not None and is_prepared(cfg.path)):
+        return build_prepared_loader(cfg, tokenizer, seq_len, local_batch_size, dp_rank, dp_world, seed)
+    if cfg.shuffle_samples:
+        raise ConfigError("data.shuffle_samples applies to prepared data; raw files are shuffled by "
+                         "data.shuffle_documents=true (or prepare them: python -m trainlib.data.prepare)")
     return PackedDataLoader(cfg, tokenizer, seq_len, local_batch_size, dp_rank=dp_rank, dp_world=dp_world, seed=seed)

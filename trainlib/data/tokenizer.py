@@ -17,6 +17,8 @@ import os
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, Sequence, runtime_checkable
 
+from trainlib.errors import ConfigError
+
 __all__ = [
     "Tokenizer",
     "TokenizerConfig",
@@ -78,11 +80,11 @@ class ByteTokenizer:
 
 def _require_file(path: str | None, kind: str, what: str) -> str:
     if not path:
-        raise ValueError(
+        raise ConfigError(
             f"tokenizer.path is required for tokenizer.kind={kind!r}: set tokenizer.path to {what}"
         )
     if not os.path.isfile(path):
-        raise ValueError(
+        raise ConfigError(
             f"tokenizer.path={path!r} does not exist or is not a file: set tokenizer.path to {what}"
         )
     return path
@@ -117,7 +119,7 @@ class HFTokenizer:
                 self.bos_id, self.eos_id = int(bos_id), int(eos_id)
                 break
         else:
-            raise ValueError(
+            raise ConfigError(
                 f"tokenizer.path={path!r} defines no BOS/EOS special tokens: expected one of "
                 "<|begin_of_text|>/<|end_of_text|>, <s>/</s> or <|endoftext|>"
             )
@@ -184,13 +186,13 @@ def _read_bpe_ranks(path: str) -> dict[bytes, int]:
                 continue
             parts = line.split()
             if len(parts) != 2:
-                raise ValueError(
+                raise ConfigError(
                     f"tokenizer.path={path!r} line {lineno} is not '<base64 token> <rank>': "
                     "set tokenizer.path to a tiktoken tokenizer.model file"
                 )
             ranks[base64.b64decode(parts[0])] = int(parts[1])
     if not ranks:
-        raise ValueError(f"tokenizer.path={path!r} holds no tokens: set tokenizer.path to a tiktoken tokenizer.model file")
+        raise ConfigError(f"tokenizer.path={path!r} holds no tokens: set tokenizer.path to a tiktoken tokenizer.model file")
     return ranks
 
 
@@ -244,4 +246,4 @@ def build_tokenizer(cfg: TokenizerConfig) -> Tokenizer:
         return HFTokenizer(cfg.path)  # type: ignore[arg-type]
     if kind == "tiktoken":
         return TiktokenTokenizer(cfg.path)  # type: ignore[arg-type]
-    raise ValueError(f"tokenizer.kind={kind!r} is unknown: use one of 'byte', 'hf', 'tiktoken'")
+    raise ConfigError(f"tokenizer.kind={kind!r} is unknown: use one of 'byte', 'hf', 'tiktoken'")

@@ -2,7 +2,7 @@
 
 An entry holds what the job needs from a model family and nothing else:
   flavors             published shapes, by `model.flavor`
-  get_args            (flavor, **shape overrides) -> validated args; one-line ValueError naming the closest flavor
+  get_args            (flavor, **shape overrides) -> validated args; one-line ConfigError naming the closest flavor
   model_cls           the plain single-device module, built as `model_cls(args, rope_len=seq_len)` on meta
   parallelize         applies the parallel axes in the family's fixed order (see llama3/parallelize.py)
   flops_per_token     training FLOPs per token, for MFU and the planner
@@ -23,6 +23,7 @@ from typing import Any
 
 from torch import nn
 
+from trainlib.errors import ConfigError
 from trainlib.models import llama3
 
 
@@ -54,7 +55,7 @@ def get_model_spec(name: str) -> ModelSpec:
     if name not in MODELS:
         close = difflib.get_close_matches(name, MODELS, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ValueError(f"unknown model.name '{name}'{hint} (valid: {', '.join(MODELS)})")
+        raise ConfigError(f"unknown model.name '{name}'{hint} (valid: {', '.join(MODELS)})")
     return MODELS[name]
 
 

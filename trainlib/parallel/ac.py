@@ -36,6 +36,8 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from trainlib.errors import ConfigError
+
 logger = logging.getLogger("trainlib")
 
 MODES = ("none", "full", "selective_layer", "selective_op")
@@ -49,7 +51,7 @@ class ActivationCheckpointConfig:
 
     def __post_init__(self) -> None:
         if self.every_k < 1:
-            raise ValueError(f"activation_checkpoint.every_k must be >= 1, got {self.every_k}")
+            raise ConfigError(f"activation_checkpoint.every_k must be >= 1, got {self.every_k}")
 
 
 def _matmul_ops() -> set:
@@ -90,7 +92,7 @@ def _op_policy(every_other_mm: bool):
 def apply_ac(model: nn.Module, mode: str, *, every_k: int = 2, selective_op_policy: str = "all_mm") -> nn.Module:
     """Wrap the blocks of `model.layers` (a ModuleDict keyed by global index) in place."""
     if mode not in MODES:
-        raise ValueError(f"activation_checkpoint.mode '{mode}' is not one of {', '.join(MODES)}")
+        raise ConfigError(f"activation_checkpoint.mode '{mode}' is not one of {', '.join(MODES)}")
     if mode == "none":
         return model
     # No dropout in Llama, so there is no RNG state to replay.

@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
+from trainlib.errors import ConfigError
 from trainlib.parallel.parallel_dims import AXES, check_degrees
 
 
@@ -37,4 +38,4 @@ class ParallelismConfig:
         check_degrees({axis: getattr(self, axis) for axis in AXES})
         for key in ("pp_microbatches", "pp_stages_per_rank"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
-                raise ValueError(f"parallelism.{key} must be >= 1 (or unset for the default), got {getattr(self, key)}")
+                raise ConfigError(f"parallelism.{key} must be >= 1 (or unset for the default), got {getattr(self, key)}")

@@ -27,6 +27,8 @@ import torch.distributed as dist
 import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the "fake" backend (see build_mesh)
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from trainlib.errors import ConfigError
+
 AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
 
 
@@ -35,10 +37,10 @@ def check_degrees(degrees: dict[str, int]) -> None:
     Also run when a [parallelism] section loads, before the world size is known."""
     for name, value in degrees.items():
         if not isinstance(value, int) or isinstance(value, bool):
-            raise ValueError(f"parallelism.{name} must be an integer, got {value!r}")
+            raise ConfigError(f"parallelism.{name} must be an integer, got {value!r}")
         if value < 1 and not (name == "dp_shard" and value == -1):
             hint = " (or -1 for 'all remaining ranks')" if name == "dp_shard" else ""
-            raise ValueError(f"parallelism.{name} must be >= 1{hint}, got {value}")
+            raise ConfigError(f"parallelism.{name} must be >= 1{hint}, got {value}")
 
 
 @dataclass
@@ -57,7 +59,7 @@ class ParallelDims:
         others = self.dp_replicate * self.cp * self.tp * self.pp
         if self.dp_shard == -1:
             if self.world_size % others:
-                raise ValueError(
+                raise ConfigError(
                     f"world size {self.world_size} is not divisible by dp_replicate({self.dp_replicate}) * "
                     f"cp({self.cp}) * tp({self.tp}) * pp({self.pp}) = {others}, so dp_shard=-1 cannot fill "
                     f"the rest; change the degrees or the number of processes"
@@ -65,7 +67,7 @@ class ParallelDims:
             self.dp_shard = self.world_size // others
         total = others * self.dp_shard
         if total != self.world_size:
-            raise ValueError(
+            raise ConfigError(
                 f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) * tp({self.tp}) * "
                 f"pp({self.pp}) = {total} != world size {self.world_size}; make the product equal the number "
                 f"of processes, or set parallelism.dp_shard = -1 to use the remaining ranks"
@@ -126,7 +128,7 @@ class ParallelDims:
         if self.world_size == 1:
             return param_dtype
         if impl == "autocast":
-            raise ValueError(
+            raise ConfigError(
                 f"training.mixed_precision_impl = 'autocast' needs a job of one rank, but the world size is "
                 f"{self.world_size} (FSDP casts the parameters there); set it to 'auto' or 'fsdp'")
         return None

@@ -34,6 +34,7 @@ from torch.distributed.pipelining import (
     ScheduleZBVZeroBubble,
 )
 
+from trainlib.errors import ConfigError
 from trainlib.loss import cross_entropy_sum
 
 SCHEDULES = {
@@ -55,7 +56,7 @@ ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 def schedule_class(name: str) -> type:
     if name not in SCHEDULES:
-        raise ValueError(f"unknown parallelism.pp_schedule '{name}'; valid: {', '.join(SCHEDULES)}")
+        raise ConfigError(f"unknown parallelism.pp_schedule '{name}'; valid: {', '.join(SCHEDULES)}")
     return SCHEDULES[name]
 
 
@@ -166,10 +167,8 @@ def pipeline_llama(
                     has_last=any(s.is_last for s in stages), n_microbatches=n_microbatches, criterion=criterion)
     cls = schedule_class(schedule)
     sched_stages = stages[0] if schedule in SINGLE_STAGE_SCHEDULES else stages
-    try:
-        pipe.schedule = cls(sched_stages, n_microbatches=n_microbatches, loss_fn=pipe.loss_fn, scale_grads=False)
-    except RuntimeError as e:  # torch's setup rules (e.g. zero-bubble refuses compiled stages): a user error
-        raise ValueError(f"parallelism.pp_schedule '{schedule}' cannot run this setup: {e}") from e
+    # torch's own setup rules for the schedules are checked first, as user errors, by validate_job.
+    pipe.schedule = cls(sched_stages, n_microbatches=n_microbatches, loss_fn=pipe.loss_fn, scale_grads=False)
     return pipe
 
 

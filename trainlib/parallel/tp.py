@@ -32,6 +32,8 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel
 
+from trainlib.errors import ConfigError
+
 
 def apply_tp(
     model: nn.Module,
@@ -110,7 +112,7 @@ def _enable_async_tp(tp_mesh: DeviceMesh) -> None:
     + matmul pair into chunks that overlap over symmetric memory. CUDA only, and
     only effective on blocks compiled with torch.compile."""
     if tp_mesh.device_type != "cuda":
-        raise ValueError(
+        raise ConfigError(
             f"parallelism.tp_async needs CUDA devices (symmetric memory), but the mesh is on "
             f"'{tp_mesh.device_type}'; set parallelism.tp_async = false")
     import torch._inductor.config

@@ -88,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
             print(json.dumps(rows, indent=1) if a.json else format_suggestions(rows, a.recipe, a.world_size, a.gpu))
             return 0
         p = make_plan(a.recipe, a.world_size, a.gpu, overrides)
-    except ValueError as e:  # ConfigError included: the job's own one-line message
+    except ConfigError as e:  # the job's own one-line message; anything else keeps its traceback
         print(f"trainlib.plan: error: {e}", file=sys.stderr)
         return 2
     print(json.dumps(asdict(p), indent=1) if a.json else format_plan(p))

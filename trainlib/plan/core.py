@@ -151,10 +151,11 @@ def _tokenizer_vocab(cfg, args) -> int:
     """The tokenizer's vocabulary when its files are here; recipes for clusters
     name paths that exist only there, so otherwise the model's is assumed."""
     from trainlib.data import build_tokenizer
+    from trainlib.errors import ConfigError
 
     try:
         return build_tokenizer(cfg.tokenizer).vocab_size
-    except (OSError, ValueError, ImportError):
+    except (OSError, ConfigError, ImportError):
         return args.vocab_size
 
 
@@ -183,8 +184,8 @@ def step_time(useful_flops: float, ac, hw, assumptions: dict, bubble: float,
 def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides: list[str] | None = None,
               assumptions: dict | None = None) -> Plan:
     """Validate `recipe` (with `section.key=value` overrides) for `world_size`
-    ranks and predict per-rank memory and step time. Raises ConfigError /
-    ValueError with the job's own one-line message for a bad layout."""
+    ranks and predict per-rank memory and step time. Raises ConfigError with
+    the job's own one-line message for a bad layout."""
     from trainlib.config import ConfigError, load_job_config
     from trainlib.config.validate import resolve_local_batch_size, validate_job
     from trainlib.models.registry import get_model_spec, model_args

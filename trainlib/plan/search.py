@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from trainlib.errors import ConfigError
 from trainlib.plan.core import make_plan
 from trainlib.plan.hardware import ASSUMPTIONS, GiB
 
@@ -39,7 +40,7 @@ def suggest(recipe: str | None, world_size: int, gpu: str = "h100", overrides: l
                             layout += ["parallelism.pp_schedule=1F1B", "parallelism.pp_stages_per_rank=1"]
                         try:
                             p = make_plan(recipe, world_size, gpu, overrides + layout)
-                        except ValueError:  # ConfigError included: the job would reject this layout
+                        except ConfigError:  # the job would reject this layout
                             continue
                         if p.fits:
                             results.append({"tp": tp, "pp": pp, "cp": cp, "dp_replicate": dpr,

@@ -18,6 +18,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from trainlib.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class ModelArgs:
@@ -45,15 +47,15 @@ class ModelArgs:
     def validate(self) -> None:
         for key in ("n_layers", "vocab_size"):
             if getattr(self, key) < 1:
-                raise ValueError(f"model.{key} must be >= 1, got {getattr(self, key)}")
+                raise ConfigError(f"model.{key} must be >= 1, got {getattr(self, key)}")
         if self.dim % self.n_heads:
-            raise ValueError(f"model.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
+            raise ConfigError(f"model.dim ({self.dim}) must be divisible by n_heads ({self.n_heads})")
         if self.n_heads % self.n_kv_heads:
-            raise ValueError(
+            raise ConfigError(
                 f"model n_heads ({self.n_heads}) must be a multiple of n_kv_heads ({self.n_kv_heads}) for GQA"
             )
         if self.head_dim % 2:
-            raise ValueError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
+            raise ConfigError(f"head_dim ({self.head_dim}) must be even for rotary embeddings")
 
 
 # Published shapes. `debug` is ours: small enough that 4 CPU processes train it
@@ -89,7 +91,7 @@ def get_model_args(flavor: str, **overrides) -> ModelArgs:
 
         close = difflib.get_close_matches(flavor, FLAVORS, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ValueError(f"unknown model.flavor '{flavor}'{hint} (valid: {', '.join(FLAVORS)})")
+        raise ConfigError(f"unknown model.flavor '{flavor}'{hint} (valid: {', '.join(FLAVORS)})")
     args = replace(FLAVORS[flavor], **{k: v for k, v in overrides.items() if v is not None})
     args.validate()
     return args

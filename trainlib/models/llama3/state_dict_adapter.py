@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import torch
 
+from trainlib.errors import ConfigError
 from trainlib.models.llama3.model import ModelArgs
 
 _LAYER_NAMES = {
@@ -73,8 +74,8 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
     llama3 = rope.get("rope_type", rope.get("type")) == "llama3"
     head_dim = cfg.get("head_dim")
     if head_dim is not None and head_dim != cfg["hidden_size"] // cfg["num_attention_heads"]:
-        raise ValueError(f"HF config head_dim={head_dim} != hidden_size/num_attention_heads: trainlib's Llama "
-                         "derives head_dim from dim and n_heads; this checkpoint cannot be imported")
+        raise ConfigError(f"HF config head_dim={head_dim} != hidden_size/num_attention_heads: trainlib's Llama "
+                          "derives head_dim from dim and n_heads; this checkpoint cannot be imported")
     return ModelArgs(
         dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
         n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],

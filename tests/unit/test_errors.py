@@ -1,0 +1,112 @@
+"""Honest errors, in-process through `trainlib.train.main`: every user-input
+error is one line and exit 2; anything else keeps its traceback (exit 1)."""
+
+import pytest
+import torch
+
+from trainlib.train import main
+
+# (what, recipe file text or None, overrides, expected in the one line)
+BAD_INPUT = [
+    ("misspelled key", None, ["--training.stesp=3"], "did you mean 'training.steps'?"),
+    ("unknown section", None, ["--trainig.steps=3"], "trainig"),
+    ("key is a section", None, ["--training=3"], "training"),
+    ("value used as a section", None, ["--training.steps.max=3"], "is a value, not a section"),
+    ("not an int", None, ["--training.steps=ten"], "training.steps: expected int, got 'ten'"),
+    ("int with a fraction", None, ["--training.steps=1.5"], "expected int, got '1.5'"),
+    ("not a float", None, ["--optimizer.lr=fast"], "optimizer.lr: expected float"),
+    ("not a bool", None, ["--checkpoint.enable=maybe"], "checkpoint.enable: expected bool"),
+    ("negative size", None, ["--training.global_batch_size=-4"], "training.global_batch_size must be >= 1"),
+    ("zero length", None, ["--training.seq_len=0"], "training.seq_len must be >= 1"),
+    ("bad enum", None, ["--training.on_nonfinite=ignore"], "'ignore' is not one of 'stop', 'skip', 'rollback'"),
+    ("bad enum, close", None, ["--optimizer.implementation=fusedd"], "did you mean 'fused'?"),
+    ("unknown flavor", None, ["--model.flavor=llama3.1_9b"], "unknown model.flavor 'llama3.1_9b'"),
+    ("unknown model", None, ["--model.name=gpt5"], "unknown model.name 'gpt5'"),
+    ("unknown recipe name", None, ["--recipe", "llama7b"], "unknown recipe 'llama7b'"),
+    ("missing recipe file", None, ["--recipe", "/nonexistent/r.toml"], "recipe file not found: /nonexistent/r.toml"),
+    ("--recipe without a value", None, ["--recipe"], "--recipe needs a recipe name or file path"),
+    ("override without a value", None, ["--training.steps"], "override --training.steps has no value"),
+    ("stray word", None, ["steps=3"], "bad override 'steps=3'"),
+    ("--set without =", None, ["--set", "training.steps"], "expected SECTION.KEY=VALUE"),
+    ("degrees != world size", None, ["--parallelism.tp=2", "--parallelism.dp_shard=1"], "= 2 != world size 1"),
+    ("dp_shard=-1 cannot fill", None, ["--parallelism.tp=3"], "world size 1 is not divisible"),
+    ("negative degree", None, ["--parallelism.pp=-2"], "parallelism.pp must be >= 1"),
+    ("batch split", None, ["--training.global_batch_size=5", "--training.local_batch_size=2"],
+     "multiple of training.local_batch_size"),
+    ("lr 0", None, ["--optimizer.lr=0"], "optimizer.lr must be > 0"),
+    ("beta out of range", None, ["--optimizer.beta1=1.5"], "optimizer.beta1 must be in [0, 1)"),
+    ("interval 0", None, ["--checkpoint.interval=0"], "checkpoint.interval must be >= 1"),
+    ("log_freq 0", None, ["--metrics.log_freq=0"], "metrics.log_freq must be >= 1"),
+    ("rollback without checkpoints", None, ["--training.on_nonfinite=rollback"], "checkpoint.enable is false"),
+    ("spike factor", None, ["--training.spike_factor=0.5"], "training.spike_factor must be > 1"),
+    ("model too small for the tokenizer", None, ["--model.vocab_size=100"], "tokenizer vocabulary (258) is larger"),
+    ("zero layers", None, ["--model.n_layers=0"], "model.n_layers must be >= 1"),
+    ("missing data file", None, ["--data.path=/nonexistent/x.jsonl"], "data.path='/nonexistent/x.jsonl' does not exist"),
+    ("hf tokenizer without a path", None, ["--tokenizer.kind=hf"], "tokenizer.path is required"),
+    ("missing tokenizer file", None, ["--tokenizer.kind=tiktoken", "--tokenizer.path=/nonexistent/t.model"],
+     "does not exist or is not a file"),
+    ("nccl on CPU", None, ["--comm.backend=nccl", "--job.device=cpu"], "comm.backend = 'nccl' needs job.device"),
+    ("export without checkpoints", None, ["--checkpoint.export_hf=true"], "needs checkpoint.enable = true"),
+    ("no such checkpoint step", None, ["--checkpoint.enable=true", "--checkpoint.load_step=5"],
+     "checkpoint.load_step=5 has no complete checkpoint"),
+    ("bad float8 recipe", None, ["--float8.recipe=fast"], "float8.recipe: 'fast' is not one of"),
+    ("TOML syntax", "[training\nsteps = 3\n", [], "invalid TOML in"),
+    ("unknown section in a file", "[trainer]\nsteps = 3\n", [], "trainer"),
+    ("misspelled key in a file", "[optimizer]\nlearning_rate = 1e-3\n", [], "optimizer.learning_rate"),
+    ("string for an int", '[training]\nsteps = "ten"\n', [], "training.steps: expected int"),
+    ("float for an int", "[training]\nsteps = 2.5\n", [], "training.steps: expected int"),
+    ("array for a scalar", "[training]\nseed = [1, 2]\n", [], "training.seed: expected int"),
+    ("missing extends target", 'extends = "nope.toml"\n', [], "nope.toml (extended from"),
+    ("extends of a bad type", "extends = 3\n", [], "extends in"),
+    ("extends cycle", 'extends = "recipe.toml"\n', [], "extends cycle"),
+    ("not UTF-8", b"[training]\nsteps = 3 # \xff\xfe\n", [], "is not UTF-8 text"),
+]
+
+
+@pytest.mark.parametrize("what,text,overrides,expected", BAD_INPUT, ids=[c[0] for c in BAD_INPUT])
+def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, what, text, overrides, expected):
+    args = []
+    if text is not None:
+        recipe = tmp_path / "recipe.toml"
+        (recipe.write_bytes if isinstance(text, bytes) else recipe.write_text)(text)
+        args = ["--recipe", str(recipe)]
+    assert main([*args, *overrides, f"--job.dump_folder={tmp_path / 'run'}", "--metrics.console=false"]) == 2
+    out = capsys.readouterr()
+    assert out.err.count("\n") == 1 and out.err.startswith("trainlib: error: "), out.err[-3000:]
+    assert expected in out.err, out.err
+    assert "Traceback" not in out.err + out.out
+
+
+def test_there_are_at_least_30_cases():
+    assert len(BAD_INPUT) >= 30
+
+
+@pytest.mark.parametrize("error", [ValueError("a bug, not the user's input"), RuntimeError("a broken machine")])
+def test_internal_error_keeps_its_traceback(capsys, tmp_path, monkeypatch, error):
+    from trainlib.models.llama3 import Transformer
+
+    def forward(self, tokens):
+        raise error
+
+    monkeypatch.setattr(Transformer, "forward", forward)
+    run = tmp_path / "run"
+    assert main(["--training.steps=2", "--training.seq_len=32", f"--job.dump_folder={run}"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "[rank 0] Traceback (most recent call last):"
+    assert all(line.startswith("[rank 0] ") for line in err)
+    assert f"[rank 0] {type(error).__name__}: {error}" in err
+    assert err[-1] == f"[rank 0] trainlib: internal error on rank 0 (also in {run}/errors/rank0.txt)"
+    assert "trainlib: error:" not in "\n".join(err)
+    saved = (run / "errors" / "rank0.txt").read_text()
+    assert "in forward_backward" in saved and f"{type(error).__name__}: {error}" in saved
+
+
+def test_torch_value_error_in_setup_is_not_a_user_error(capsys, tmp_path, monkeypatch):
+    # Before, any ValueError raised during setup became "trainlib: error: ..." and lost its traceback.
+    import trainlib.train as tt
+
+    monkeypatch.setattr(tt, "build_optimizer", lambda parts, cfg: torch.optim.AdamW([], lr=1e-3))
+    assert main(["--training.steps=1", f"--job.dump_folder={tmp_path}"]) == 1
+    err = capsys.readouterr().err
+    assert "[rank 0] ValueError: optimizer got an empty parameter list" in err
+    assert "[rank 0] Traceback" in err and "in setup" in err and "trainlib: error:" not in err

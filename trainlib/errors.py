@@ -1,0 +1,104 @@
+"""How a run ends when it does not finish: the error types and the exit codes.
+
+    0  the run finished
+    1  an internal error: any exception that is not one of the two below. Its
+       traceback is kept (`report_crash`): written to
+       `<job.dump_folder>/errors/rank<R>.txt` by every failing rank, printed
+       with a `[rank R]` prefix by the first failing rank of each node; later
+       failing ranks of that node print one line naming their file
+    2  user input refused (`ConfigError`): a recipe key, a value, a combination
+       of settings, a data/tokenizer/checkpoint path. One line,
+       `trainlib: error: ...`, per node, no traceback
+    3  the run stopped on purpose (`TrainingStopped`): the non-finite/spike
+       guard's `stop` policy or its spent budget, or a checkpoint refused
+       because it holds non-finite values. One line, `trainlib: stopped: ...`,
+       per node
+
+Under torchrun the job's own exit status is torchrun's (1 whenever a worker
+failed); its failure summary lists each worker's code.
+
+Stdlib only: the config loader and the launchers import this.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import socket
+import sys
+import time
+import traceback
+from pathlib import Path
+
+EXIT_INTERNAL, EXIT_USER, EXIT_STOPPED = 1, 2, 3
+
+
+class ConfigError(ValueError):
+    """User input refused: raised by the code that checks the input, with the
+    rule, the values and the fix. Always one line, so it reads well in job logs."""
+
+    def __init__(self, msg: object):
+        super().__init__(re.sub(r"\s*[\r\n]+\s*", " ", str(msg)).strip())
+
+
+class TrainingStopped(RuntimeError):
+    """The run stops on purpose, the same way on every rank (exit code 3)."""
+
+
+def _rank() -> int:
+    return int(os.environ.get("RANK", 0))
+
+
+def print_once_per_node(line: str) -> None:
+    """`line` on stderr from local rank 0 only: every rank reaches the same
+    verdict (a bad config, a guard stop), and one copy per node is enough."""
+    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+        print(line, file=sys.stderr, flush=True)
+
+
+def report_crash(exc: BaseException, run_dir: str | os.PathLike | None) -> None:
+    """Report an internal error with its whole traceback, once per node.
+
+    Every failing rank writes its traceback to `<run_dir>/errors/rank<R>.txt`.
+    The first rank of this node (this launch of torchrun's workers) to get
+    here prints the traceback, each line prefixed `[rank R]`; the ranks after
+    it print one line naming their file (they usually fail because the first
+    one left their collectives). Under torchrun the one-line summary also goes
+    to the worker's TORCHELASTIC_ERROR_FILE, so torchrun's failure summary
+    names the error instead of a link to its docs."""
+    rank = _rank()
+    text = "".join(traceback.format_exception(exc))
+    summary = traceback.format_exception_only(exc)[-1].strip()
+    try:
+        if run_dir is None:
+            raise FileNotFoundError("no run folder yet")
+        folder = Path(run_dir) / "errors"
+        folder.mkdir(parents=True, exist_ok=True)
+        path = folder / f"rank{rank}.txt"
+        path.write_text(f"{time.strftime('%Y-%m-%d %H:%M:%S')} host {socket.gethostname()} rank {rank}\n{text}")
+        # One marker per node and launch: torchrun's agent (our parent) and its restart count name the launch.
+        launch = f"{socket.gethostname()}-{os.getppid()}-{os.environ.get('TORCHELASTIC_RESTART_COUNT', 0)}"
+        first = int(os.environ.get("LOCAL_WORLD_SIZE", 1)) == 1 or _claim(folder / f".first-failure-{launch}")
+    except OSError:  # no run folder (yet, or writable): print it all here
+        path, first = None, True
+    where = f" (also in {path})" if path else ""
+    if first:
+        sys.stderr.write("".join(f"[rank {rank}] {line}\n" for line in text.splitlines()))
+        sys.stderr.write(f"[rank {rank}] trainlib: internal error on rank {rank}{where}\n")
+    else:
+        sys.stderr.write(f"[rank {rank}] trainlib: rank {rank} failed too: {summary}; traceback in {path}\n")
+    sys.stderr.flush()
+    if path and os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            # torchrun's format (its ErrorHandler's) without the callstack: its summary then shows this message.
+            json.dump({"message": {"message": f"{summary} (traceback: {path})",
+                                   "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+
+
+def _claim(marker: Path) -> bool:
+    try:
+        os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
+        return True
+    except FileExistsError:
+        return False
