@@ -104,3 +104,51 @@ def spawn(fn, world, *args, timeout=300):
             errs = sorted(f for f in os.listdir(tmp) if f.endswith(".err"))
             detail = open(os.path.join(tmp, errs[0])).read() if errs else ""
             raise AssertionError(f"{e}\n{detail}") from None
+
+
+def doc_ids_from_starts(starts: list[list[int]], seq_len: int):
+    """[b, seq_len] document ids from each row's document start positions (0 first)."""
+    import torch
+
+    ids = torch.zeros(len(starts), seq_len, dtype=torch.long)
+    for row, row_starts in zip(ids, starts):
+        for s in row_starts[1:]:
+            row[s:] += 1
+    return ids
+
+
+def per_document_attention(q, k, v, doc_ids):
+    """Document-causal attention the plain way, as a reference: for every row and
+    every document, causal softmax attention over that document's positions alone.
+    q: [b, h, S, d]; k, v: [b, h_kv, S, d] (h_kv divides h); doc_ids: [b, S]."""
+    import math
+
+    import torch
+
+    k, v = (t.repeat_interleave(q.shape[1] // k.shape[1], dim=1) for t in (k, v))
+    rows = []
+    for qr, kr, vr, docs in zip(q, k, v, doc_ids):
+        out = torch.zeros_like(qr)
+        for doc in docs.unique():
+            idx = (docs == doc).nonzero().flatten()
+            scores = qr[:, idx] @ kr[:, idx].transpose(-1, -2) / math.sqrt(q.shape[-1])
+            future = torch.ones(len(idx), len(idx), dtype=torch.bool).triu(1)
+            out[:, idx] = scores.masked_fill(future, -math.inf).softmax(-1) @ vr[:, idx]
+        rows.append(out)
+    return torch.stack(rows)
+
+
+def short_documents_corpus(path, n_docs: int = 600, seed: int = 0):
+    """A jsonl corpus of short documents (3-40 words, ~110 bytes on average), so that
+    a byte-tokenized window of a few hundred tokens holds several documents."""
+    import json
+    import random
+
+    rng = random.Random(seed)
+    words = ("the of and to in that is was he for it with as his on be at by this had not are but from or have "
+             "an they which one you were her all she there would their we him been has when who will more no if "
+             "out so said what up its about into than them can only other new some could time these two may").split()
+    with open(path, "w") as f:
+        for _ in range(n_docs):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(3, 40)))}) + "\n")
+    return path

@@ -25,7 +25,7 @@ from trainlib.build import build_model_parts, describe_choices
 from trainlib.checkpoint import Checkpointer, ModelState, OptimizerState, TrainState
 from trainlib.config import ConfigError, JobConfig, load_job_config, save_config
 from trainlib.config.validate import resolve_local_batch_size, validate_job
-from trainlib.data import DataLoader, build_dataloader, build_tokenizer
+from trainlib.data import DataLoader, build_dataloader, build_tokenizer, document_ids
 from trainlib.distributed import DistInfo, destroy_distributed, init_distributed, set_collective_timeout
 from trainlib.errors import EXIT_INTERNAL, EXIT_STOPPED, EXIT_USER, TrainingStopped, print_once_per_node, report_crash
 from trainlib.float8 import float8_post_optimizer_step
@@ -112,6 +112,8 @@ def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tenso
     """Forward and backward over one step's micro-batches; returns this rank's
     share of the global mean loss (summing it over dp_cp, and pp, gives the loss)."""
     device = job.info.device
+    if job.cfg.model.attn_mask == "document":  # from whole windows: under CP each rank masks against every key
+        micro_batches = [{**mb, "doc_ids": document_ids(mb["position_ids"]).to(device)} for mb in micro_batches]
     if job.dims.cp_enabled:  # this rank's sequence chunks; apply_cp gives RoPE the matching positions
         cp_mesh = job.dims.mesh("cp")
         micro_batches = [shard_batch(mb, cp_mesh, job.cfg.parallelism.cp_load_balance) for mb in micro_batches]
@@ -125,7 +127,8 @@ def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tenso
             # Autocast's weight cache would hold a bf16 copy of every weight until the loss; each is used once.
             with torch.autocast(device.type, job.autocast_dtype, enabled=job.autocast_dtype is not None,
                                 cache_enabled=False):
-                out = model(mb["input"].to(device))  # logits, or hidden states under loss.chunked
+                # logits, or hidden states under loss.chunked
+                out = model(mb["input"].to(device), doc_ids=mb.get("doc_ids"))
                 loss = job.loss_fn(out, mb["labels"].to(device)) / n_targets
             del out  # free the largest activation before backward allocates
             loss.backward()

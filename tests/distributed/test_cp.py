@@ -42,6 +42,48 @@ def _attention_matches_sdpa(rank, world, cases_by_cp):
                     torch.testing.assert_close(t.grad, mine(r.grad), msg=lambda m, w=f"d{name} {what}": f"{w}: {m}")
 
 
+def _document_attention_matches_reference(rank, world, cases_by_cp):
+    """cp_sdpa under a document mask (the model's mask builder with this rank's layout
+    positions, as apply_cp wires it) gives this rank's rows of per-document causal
+    attention, and its dq/dk/dv, in float64; documents cross the chunk boundaries."""
+    import warnings
+
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.helpers import doc_ids_from_starts, per_document_attention
+    from trainlib.models.llama3.model import Attention, document_mask
+    from trainlib.parallel.cp import cp_sdpa, layout_positions
+
+    warnings.filterwarnings("ignore", "flex_attention called without torch.compile")
+    meshes = {world: init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)),
+              2: init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "cp"))["cp"]}
+    for cp, cases in cases_by_cp.items():
+        group, cp_rank = meshes[cp].get_group(), meshes[cp].get_local_rank()
+        for seq, heads, kv_heads, load_balance, starts in cases:
+            g = torch.Generator().manual_seed(seq * 7 + heads)
+            q, k, v, dout = (torch.randn(2, n, seq, 8, generator=g, dtype=torch.float64)
+                             for n in (heads, kv_heads, kv_heads, heads))
+            doc_ids = doc_ids_from_starts(starts, seq)
+            ref_in = [t.clone().requires_grad_() for t in (q, k, v)]
+            ref = per_document_attention(*ref_in, doc_ids)
+            ref.backward(dout)
+
+            def mine(t):
+                return shard_sequence(t, cp, cp_rank, load_balance, dim=2)
+
+            q_pos = layout_positions(seq, cp, cp_rank, load_balance)
+            for flex in (False, True):  # flex: forward only (no flex backward on CPU)
+                local = [mine(t).requires_grad_(not flex) for t in (q, k, v)]
+                out = cp_sdpa(*local, document_mask(doc_ids, torch.float64, q_pos, flex=flex), group=group, cp=cp,
+                              rank=cp_rank, load_balance=load_balance, attend=Attention.sdpa)
+                what = f"flex={flex} cp={cp} seq={seq} heads={heads}/{kv_heads} lb={load_balance} rank={rank}"
+                torch.testing.assert_close(out, mine(ref), msg=lambda m, w=what: f"{w}: {m}")
+                if not flex:
+                    out.backward(mine(dout))
+                    for name, t, r in zip("qkv", local, ref_in):
+                        torch.testing.assert_close(t.grad, mine(r.grad), msg=lambda m, w=f"d{name} {what}": f"{w}: {m}")
+
+
 def _model_matches_single_device(rank, world, cp_mesh):
     """The whole model under apply_cp (routing + RoPE positions from the hook)
     gives this rank's rows of the single-device logits, and the cp-summed
@@ -62,29 +104,43 @@ def _model_matches_single_device(rank, world, cp_mesh):
     tokens = torch.randint(0, 512, (2, 32), generator=g)
     weights = torch.randn(2, 32, 512, generator=g)
 
-    ref_logits = ref(tokens)
-    (ref_logits * weights).sum().backward()
-    logits = model(shard_sequence(tokens, cp, cp_rank))
-    (logits * shard_sequence(weights, cp, cp_rank)).sum().backward()
-    torch.testing.assert_close(logits, shard_sequence(ref_logits.detach(), cp, cp_rank), rtol=1e-5, atol=1e-5)
-    for (name, p), r in zip(model.named_parameters(), ref.parameters()):
-        dist.all_reduce(p.grad, group=cp_mesh.get_group())
-        torch.testing.assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    # causal, and document-masked (documents across the chunk boundaries, whole documents
+    # passed as ids of the whole window as the loop does)
+    from tests.helpers import doc_ids_from_starts
+
+    for doc_ids in (None, doc_ids_from_starts([[0, 5, 6, 19], [0, 27]], 32)):
+        ref.zero_grad()
+        model.zero_grad()
+        ref_logits = ref(tokens, doc_ids=doc_ids)
+        (ref_logits * weights).sum().backward()
+        logits = model(shard_sequence(tokens, cp, cp_rank), doc_ids=doc_ids)
+        (logits * shard_sequence(weights, cp, cp_rank)).sum().backward()
+        torch.testing.assert_close(logits, shard_sequence(ref_logits.detach(), cp, cp_rank), rtol=1e-5, atol=1e-5)
+        for (name, p), r in zip(model.named_parameters(), ref.parameters()):
+            dist.all_reduce(p.grad, group=cp_mesh.get_group())
+            torch.testing.assert_close(p.grad, r.grad, rtol=1e-4, atol=1e-5, msg=lambda m, name=name: f"{name}: {m}")
+    causal = ref(tokens)
+    assert (causal - ref(tokens, doc_ids=doc_ids)).abs().max() > 1e-3  # the documents did change the logits
 
 
-def _cp_checks(rank, world, cases_by_cp):
+def _cp_checks(rank, world, cases_by_cp, document_cases_by_cp):
     from torch.distributed.device_mesh import init_device_mesh
 
     _attention_matches_sdpa(rank, world, cases_by_cp)
+    _document_attention_matches_reference(rank, world, document_cases_by_cp)
     _model_matches_single_device(rank, world, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)))
 
 
 def test_attention_and_grads_match_sdpa():
     """Output and dq/dk/dv equal plain causal SDPA (float64) for several
-    lengths, degrees, GQA ratios and both layouts; then the whole model."""
+    lengths, degrees, GQA ratios and both layouts; under a document mask they
+    equal per-document causal attention; then the whole model, both masks."""
     spawn(_cp_checks, 4, {
         2: [(8, 4, 2, True), (32, 4, 4, True), (48, 6, 2, True), (24, 4, 2, False), (64, 2, 1, False)],
         4: [(16, 4, 2, True), (40, 4, 1, False), (64, 4, 4, True)],
+    }, {
+        2: [(32, 4, 2, True, [[0, 3, 4, 17], [0, 9, 24]]), (24, 2, 1, False, [[0, 12], [0, 1, 2, 13]])],
+        4: [(48, 4, 2, True, [[0, 7, 30, 31], [0, 40]]), (40, 4, 4, False, [[0, 11], [0]])],
     })
 
 

@@ -41,6 +41,8 @@ class ModelConfig:
     # benchmarks (e.g. 8B layers but fewer of them on one GPU).
     n_layers: int | None = None
     vocab_size: int | None = None
+    attn_mask: Literal["causal", "document"] = field(default="causal", metadata={
+        "help": "document: no token attends across a document boundary inside a packed window (docs/data.md)"})
 
     def __post_init__(self) -> None:
         model_args(self)  # an unknown name or flavor fails at load, naming the closest valid one

@@ -7,9 +7,12 @@ live here.
 
 from __future__ import annotations
 
+import inspect
+
 from trainlib.config.job import JobConfig
 from trainlib.config.loader import ConfigError
 from trainlib.models.llama3.model import ModelArgs
+from trainlib.models.registry import get_model_spec
 from trainlib.parallel.parallel_dims import ParallelDims
 
 
@@ -53,6 +56,13 @@ def validate_job(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs, toke
     _validate_cp(cfg, dims)
     _validate_cpu_offload(cfg, dims)
     _validate_float8(cfg)
+    if cfg.model.attn_mask == "document":
+        forward = get_model_spec(cfg.model.name).model_cls.forward
+        if "doc_ids" not in inspect.signature(forward).parameters:
+            raise ConfigError(
+                f"model.attn_mask = 'document' needs a model whose forward takes doc_ids, and model.name "
+                f"'{cfg.model.name}' has none; set model.attn_mask = 'causal'"
+            )
 
 
 def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -> None:

@@ -7,6 +7,7 @@ from trainlib.data.dataset import (
     DataLoader,
     PackedDataLoader,
     build_dataloader,
+    document_ids,
     resolve_data_files,
 )
 from trainlib.data.prepared import PreparedDataLoader
@@ -26,6 +27,7 @@ __all__ = [
     "PackedDataLoader",
     "PreparedDataLoader",
     "build_dataloader",
+    "document_ids",
     "resolve_data_files",
     "ByteTokenizer",
     "HFTokenizer",

@@ -351,6 +351,12 @@ class _PackedStream:
 # --------------------------------------------------------------------------- loader
 
 
+def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
+    """[b, S] index (0, 1, ...) of each token's document within its window: a document
+    starts exactly where ``position_ids`` is 0 (and so does the window)."""
+    return (position_ids == 0).cumsum(dim=1) - 1
+
+
 class PackedDataLoader:
     """Iterator of micro-batches ``{"input", "labels", "position_ids"}`` (LongTensor[b, seq_len]).
 

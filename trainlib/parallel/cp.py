@@ -29,10 +29,12 @@ elements in forward (all-gather of K and V) and sends as many in backward
 activations of S/cp tokens plus the gathered K/V (2*b*S*n_kv_heads*head_dim per
 layer, kept for backward).
 
-Attention is plain causal over each packed window, with and without CP: the
-data path's document-relative `position_ids` are not used by the model
-(document-causal masking is not implemented), so RoPE positions are the
-window positions 0..S-1, permuted by the layout.
+Document masking (`model.attn_mask = "document"`): the document ids of the
+whole window stay whole (`shard_batch` does not cut them), and the model's
+`attention_mask` is rebound to build the mask rows of this rank's query
+positions (in layout order) over all S keys; each layer then runs the model's
+own masked kernel on the local queries and the gathered K/V. RoPE positions
+are the window positions 0..S-1, permuted by the layout, with either mask.
 """
 
 from __future__ import annotations
@@ -87,9 +89,11 @@ def layout_positions(seq_len: int, cp: int, rank: int, load_balance: bool = True
 def shard_batch(batch: dict[str, torch.Tensor], cp_mesh: DeviceMesh,
                 load_balance: bool = True) -> dict[str, torch.Tensor]:
     """Cut every [b, seq] tensor of a micro-batch (input, labels, position_ids)
-    to this cp rank's chunks. Ranks of one cp group load the same batch."""
+    to this cp rank's chunks. Ranks of one cp group load the same batch.
+    `doc_ids` stays whole: every rank's queries are masked against all keys."""
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    return {key: shard_sequence(t, cp, rank, load_balance, dim=1) for key, t in batch.items()}
+    return {key: t if key == "doc_ids" else shard_sequence(t, cp, rank, load_balance, dim=1)
+            for key, t in batch.items()}
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -197,8 +201,9 @@ class _MaskCache:
         return mask
 
 
-def cp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.ProcessGroup, cp: int, rank: int,
-            load_balance: bool = True, masks: _MaskCache | None = None, kernel: str = "auto") -> torch.Tensor:
+def cp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, group: dist.ProcessGroup, cp: int,
+            rank: int, load_balance: bool = True, masks: _MaskCache | None = None, kernel: str = "auto",
+            attend=None) -> torch.Tensor:
     """Causal attention of this rank's query chunks over the whole sequence.
 
     q: [b, h, s_local, d]; k, v: [b, h_kv, s_local, d] (h_kv may divide h: GQA),
@@ -206,11 +211,16 @@ def cp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.Pr
     this rank's rows of full causal SDPA. `kernel`: "lse" (CPU: flash parts
     merged by log-sum-exp, no mask), "mask" (any device: one masked SDPA per
     chunk) or "auto" (lse where available).
+    With `mask` (a document mask of this rank's query rows over all keys, from
+    the model's `attention_mask` as `apply_cp` rebinds it), the result is
+    `attend(q, K, V, mask)` on the gathered K/V: the model's own masked kernel.
     """
-    ids = chunk_ids(cp, rank, load_balance)
-    c = q.shape[2] // len(ids)
     # one collective for K and V together
     k_full, v_full = _GatherSequence.apply(torch.stack([k, v]), group, cp, load_balance).unbind(0)
+    if mask is not None:
+        return attend(q, k_full, v_full, mask)
+    ids = chunk_ids(cp, rank, load_balance)
+    c = q.shape[2] // len(ids)
     gqa = q.shape[1] != k.shape[1]
     if kernel == "auto":
         kernel = "lse" if q.device.type == "cpu" and _FLASH_CPU is not None else "mask"
@@ -234,14 +244,15 @@ def cp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, group: dist.Pr
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool = True) -> nn.Module:
     """Route every block's attention kernel to `cp_sdpa` on `cp_mesh`, and make
-    RoPE follow the chunk layout.
+    RoPE and document masks follow the chunk layout.
 
     The model's `Attention.sdpa` is replaced per module instance (the model
-    file stays single-device). A forward pre-hook on the model supplies
-    `position_ids` (this rank's window positions) whenever the caller passes
-    none, so every caller, pipeline stages included, gets the right RoPE
-    without threading positions through. Inputs must already be sharded with
-    `shard_batch`.
+    file stays single-device); the replaced one stays the kernel for document
+    masks. A forward pre-hook on the model supplies `position_ids` (this
+    rank's window positions) whenever the caller passes none, so every caller,
+    pipeline stages included, gets the right RoPE without threading positions
+    through; the model's `attention_mask` is rebound to build the rows of
+    those positions. Inputs must already be sharded with `shard_batch`.
     """
     cp, rank, group = cp_mesh.size(), cp_mesh.get_local_rank(), cp_mesh.get_group()
     kernel = functools.partial(cp_sdpa, group=group, cp=cp, rank=rank, load_balance=load_balance,
@@ -249,10 +260,19 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool = True
     n = 0
     for module in model.modules():
         if hasattr(module, "sdpa") and hasattr(module, "wq"):
-            module.sdpa = kernel
+            module.sdpa = functools.partial(kernel, attend=module.sdpa)
             n += 1
     if n == 0:
         raise ValueError("apply_cp found no attention module (with `sdpa` and `wq`) to route")
+
+    if hasattr(model, "attention_mask"):  # a model that supports document masking
+        build_mask = model.attention_mask
+
+        def attention_mask(doc_ids: torch.Tensor, dtype: torch.dtype):
+            q_positions = layout_positions(doc_ids.shape[1], cp, rank, load_balance, doc_ids.device)
+            return build_mask(doc_ids, dtype, q_positions)
+
+        model.attention_mask = attention_mask
 
     def supply_positions(module: nn.Module, args: tuple, kwargs: dict):
         if kwargs.get("position_ids") is not None or len(args) > 1:

@@ -132,8 +132,11 @@ class Pipeline:
         for mb in micro_batches:
             args = (mb["input"].to(device),) if self.has_first else ()
             labels = mb["labels"].to(device) if self.has_last else None
+            # Keyword arguments of `step` reach every stage's forward (split by micro-batch
+            # like the input), on every rank: so every stage masks by document.
+            kwargs = {"doc_ids": mb["doc_ids"].to(device)} if "doc_ids" in mb else {}
             losses: list[torch.Tensor] = []
-            self.schedule.step(*args, target=labels, losses=losses, return_outputs=False)
+            self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
             if self.has_last:
                 loss_sum += torch.stack([loss.detach() for loss in losses]).sum()
         return loss_sum

@@ -80,9 +80,10 @@ def apply_tp(
         }
         if sequence_parallel:
             # All-gather the sequence once per sub-block, before its first matmul.
-            # The rope table (2nd argument of attention) is a plain, whole tensor.
-            plan["attention"] = PrepareModuleInput(input_layouts=(Shard(1), None),
-                                                   desired_input_layouts=(Replicate(), None))
+            # The rope table and the attention mask (2nd and 3rd arguments of
+            # attention) are plain, whole-sequence values.
+            plan["attention"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
+                                                   desired_input_layouts=(Replicate(), None, None))
             plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),),
                                                       desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, plan)

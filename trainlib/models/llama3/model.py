@@ -11,12 +11,14 @@ Nothing here imports torch.distributed: parallelism is applied from outside
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
 from trainlib.errors import ConfigError
 
@@ -138,6 +140,39 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2).type_as(x)
 
 
+def document_mask(doc_ids: torch.Tensor, dtype: torch.dtype, q_positions: torch.Tensor | None = None,
+                  flex: bool | None = None) -> torch.Tensor | BlockMask:
+    """Document-causal mask: the query at window position p sees key j iff
+    j <= p and doc_ids[:, j] == doc_ids[:, p].
+
+    doc_ids: [b, S] document index of every position of the whole window.
+    q_positions: [s_q] window positions of the queries, in the order the
+    queries are held (default 0..S-1; context parallelism passes its layout).
+    Keys are always the whole window in order. Returns a flex BlockMask
+    (`flex`, default on CUDA: O(s_q * S / 128^2) memory, masked blocks skipped)
+    or an additive [b, 1, s_q, S] mask of `dtype` for SDPA (elsewhere: one
+    copy shared by every layer, which a boolean mask would not be, since SDPA
+    converts it to a new float tensor per call)."""
+    b, S = doc_ids.shape
+    q_pos = torch.arange(S, device=doc_ids.device) if q_positions is None else q_positions
+    if doc_ids.is_cuda if flex is None else flex:
+        def mask_mod(bi, h, q_idx, kv_idx):
+            p = q_pos[q_idx]
+            return (kv_idx <= p) & (doc_ids[bi, kv_idx] == doc_ids[bi, p])
+
+        # compiled, the block mask is built without materialising [b, s_q, S] booleans
+        build = _compiled(create_block_mask) if doc_ids.is_cuda else create_block_mask
+        return build(mask_mod, b, None, len(q_pos), S, device=doc_ids.device)
+    keys = torch.arange(S, device=doc_ids.device)
+    visible = (keys <= q_pos[:, None]) & (doc_ids[:, None, :] == doc_ids[:, q_pos, None])  # [b, s_q, S]
+    return torch.zeros(visible.shape, dtype=dtype, device=doc_ids.device).masked_fill_(~visible, float("-inf"))[:, None]
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn)
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -157,7 +192,8 @@ class Attention(nn.Module):
         self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
         self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+                ) -> torch.Tensor:
         b, s, _ = x.shape
         # -1 instead of n_heads: under tensor parallelism each rank holds a
         # slice of the heads, and the same code must run unchanged.
@@ -167,13 +203,23 @@ class Attention(nn.Module):
         rope = rope[:s] if rope.dim() == 3 else rope  # [max_len, ...] table or per-token [b, s, ...]
         q, k = apply_rope(q, rope), apply_rope(k, rope)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
-        out = self.sdpa(q, k, v)
+        out = self.sdpa(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
     @staticmethod
-    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        # enable_gqa lets SDPA broadcast kv heads without materialising copies.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=q.shape[1] != k.shape[1])
+    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+             ) -> torch.Tensor:
+        """Causal attention, or attention under `mask` (from `document_mask`) when given."""
+        # enable_gqa lets the kernels broadcast kv heads without materialising copies.
+        gqa = q.shape[1] != k.shape[1]
+        if mask is None:
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        if isinstance(mask, BlockMask):
+            # Eager flex_attention materialises the scores; compiled it is one fused kernel that skips
+            # the masked blocks. Inside a compiled block the block's own graph compiles it.
+            eager = torch.compiler.is_compiling() or not q.is_cuda
+            return (flex_attention if eager else _compiled(flex_attention))(q, k, v, block_mask=mask, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
 
 
 class FeedForward(nn.Module):
@@ -195,8 +241,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args.dim, args.ffn_dim)
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope)
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+                ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, mask)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -219,20 +266,32 @@ class Transformer(nn.Module):
         self.rope_len = rope_len or args.max_seq_len
         self.register_buffer("rope", precompute_rope(args, self.rope_len), persistent=False)
 
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
         """tokens: [b, s] token ids (or [b, s, dim] hidden states on a non-first
         pipeline stage). position_ids: optional [b, s] positions for RoPE; by
-        default 0..s-1. Returns logits [b, s, vocab] (or hidden states on a
-        non-last pipeline stage, or when `output_in_forward` is False)."""
+        default 0..s-1. doc_ids: optional [b, S] document index of every
+        position of the whole window (S = s unless the sequence is split
+        across ranks); when given, attention is document-causal. Returns
+        logits [b, s, vocab] (or hidden states on a non-last pipeline stage,
+        or when `output_in_forward` is False)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # built once per forward, shared by every block
+        mask = self.attention_mask(doc_ids, h.dtype) if doc_ids is not None else None
         # The whole table is passed down and sliced in Attention, where the
         # sequence is whole: under sequence parallelism `h` here holds only
         # this rank's slice of the sequence.
         rope = self.rope[position_ids] if position_ids is not None else self.rope
         for layer in self.layers.values():
-            h = layer(h, rope)
+            h = layer(h, rope, mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None and self.output_in_forward else h
+
+    def attention_mask(self, doc_ids: torch.Tensor, dtype: torch.dtype,
+                       q_positions: torch.Tensor | None = None) -> torch.Tensor | BlockMask:
+        """The `mask` every block's attention takes (`document_mask`). Context
+        parallelism rebinds it per instance to give its queries' positions."""
+        return document_mask(doc_ids, dtype, q_positions)
 
     # ---- initialisation -------------------------------------------------
     def init_buffers(self, device: torch.device | str | None = None) -> None:
