@@ -133,18 +133,21 @@ class Guard:
             return False
         return True
 
-    def settle(self, step: int, log: bool, metrics, checkpointer, **extra) -> tuple[list[dict], int | None]:
+    def settle(self, step: int, log: bool, metrics, checkpointer, at_step: dict | None = None,
+               **extra) -> tuple[list[dict], int | None]:
         """Read the steps judged since the last settle (one host transfer) and
         apply the policies in step order. Logs each event step, and step `step`
-        when `log`; `extra` fields go into every record. Returns (the records logged, the step to continue after when
-        it rolled back, else None). Raises TrainingStopped to stop the run."""
+        when `log`; `extra` fields go into every record, `at_step` fields (validation's) only into step `step`'s.
+        Returns (the records logged, the step to continue after when it rolled back, else None). Raises
+        TrainingStopped to stop the run."""
         pending, self._pending, self.event_known = self._pending, [], False
         values = torch.stack([p for _, _, p in pending]).tolist()
         records = []
         for (s, lr, _), (loss, grad_norm, verdict, threshold) in zip(pending, values):
+            own = {**extra, **(at_step or {})} if s == step else extra
             if verdict == 0:
                 if s == step and log:
-                    records.append(metrics.log(s, loss=loss, grad_norm=grad_norm, lr=lr, **extra))
+                    records.append(metrics.log(s, loss=loss, grad_norm=grad_norm, lr=lr, **own))
                 continue
             kind = "nonfinite" if verdict == NONFINITE else "spike"
             policy = self.cfg.on_nonfinite if kind == "nonfinite" else self.cfg.on_spike
@@ -166,7 +169,7 @@ class Guard:
                 fields["spike_threshold"] = threshold
             if to is not None:
                 fields["rollback_to_step"] = to
-            records.append(metrics.log(s, loss=loss, grad_norm=grad_norm, lr=lr, **fields, **extra))
+            records.append(metrics.log(s, loss=loss, grad_norm=grad_norm, lr=lr, **fields, **own))
             if policy == "stop":
                 raise TrainingStopped(f"step {s}: {what} ({reason})")
             if policy == "rollback":

@@ -4,7 +4,8 @@
 Setup order: meta-device build, converters, pipeline split and parallelize
 (`trainlib.build.build_model_parts`), materialise + init weights, optimizer,
 data, checkpoint load (resume is the default when checkpoints are
-enabled); then the loop, which reads top to bottom.
+enabled), validation, metrics, profiling; then the loop, which reads top to
+bottom.
 """
 
 from __future__ import annotations
@@ -23,8 +24,9 @@ from torch import nn
 
 from trainlib.build import build_model_parts, describe_choices
 from trainlib.checkpoint import Checkpointer, ModelState, OptimizerState, TrainState
-from trainlib.config import ConfigError, JobConfig, load_job_config, save_config
-from trainlib.config.validate import resolve_local_batch_size, validate_job
+from trainlib.checkpoint.manager import latest_step, step_folder
+from trainlib.config import ConfigError, JobConfig, config_to_dict, load_job_config, save_config
+from trainlib.config.validate import resolve_local_batch_size, validate_job, validate_machine
 from trainlib.data import DataLoader, build_dataloader, build_tokenizer, document_ids
 from trainlib.distributed import DistInfo, destroy_distributed, init_distributed, set_collective_timeout
 from trainlib.errors import EXIT_INTERNAL, EXIT_STOPPED, EXIT_USER, TrainingStopped, print_once_per_node, report_crash
@@ -38,6 +40,8 @@ from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
 from trainlib.parallel.pp import Pipeline
 from trainlib.parallel.tp import loss_context
 from trainlib.parallel.cp import shard_batch
+from trainlib.profiling import GarbageCollection, Profiler
+from trainlib.validation import Validator, build_validator
 
 logger = logging.getLogger("trainlib")
 
@@ -60,6 +64,9 @@ class Job:
     checkpointer: Checkpointer | None = None
     start_step: int = 0  # the last step already done (restored from a checkpoint)
     guard: Guard | None = None
+    validator: Validator | None = None
+    profiler: Profiler | None = None
+    gc_handler: GarbageCollection | None = None
     autocast_dtype: torch.dtype | None = None  # bf16 on one rank (build.ModelParts.autocast_dtype)
 
 
@@ -70,6 +77,7 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
     tokenizer = build_tokenizer(cfg.tokenizer)
     validate_job(cfg, dims, model_args(cfg.model), tokenizer.vocab_size)
+    validate_machine(cfg, info.device)
     local_bs, grad_accum = resolve_local_batch_size(cfg, dims)
     dims.build_mesh(info.device.type)
 
@@ -93,9 +101,17 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
         "scheduler": scheduler, "dataloader": loader, "guard": guard,
         "trainer": TrainState(tokens_per_step=t.global_batch_size * t.seq_len, model_args=built.model_args)})
     start_step = checkpointer.load()
+    par = cfg.parallelism
+    validator = build_validator(cfg.validation, tokenizer, t.seq_len, local_bs, grad_accum, dims, t.seed, built.parts,
+                                info.device, loss_fn=built.loss_fn, pipeline=built.pipeline,
+                                cp_load_balance=par.cp_load_balance, tp_loss_parallel=par.tp_loss_parallel,
+                                document_mask=cfg.model.attn_mask == "document", autocast_dtype=built.autocast_dtype)
+    profiler = Profiler(cfg.profiling, run_dir, info.rank, info.device, start_step)
     flops = get_model_spec(cfg.model.name).flops_per_token(built.model_args, t.seq_len)
-    metrics = MetricsLogger(cfg.metrics, run_dir, rank=info.rank, device=info.device, append=start_step > 0,
-                            flops_per_token=flops, world_size=info.world_size, float8=cfg.float8.enable)
+    metrics = MetricsLogger(cfg.metrics, run_dir, rank=info.rank, device=info.device, flops_per_token=flops,
+                            world_size=info.world_size, float8=cfg.float8.enable, start_step=start_step,
+                            total_steps=t.steps, tokens_seen=checkpointer.train_state.tokens_seen,
+                            run_config=config_to_dict(cfg))
     logger.info(
         f"world {info.world_size} on {info.device.type} | "
         + " ".join(f"{k}={v}" for k, v in dims.degrees().items())
@@ -105,7 +121,9 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     )
     logger.info(describe_choices(cfg, built, implementation_of(optimizer)))
     return Job(cfg, info, dims, built.parts, optimizer, scheduler, loader, metrics, grad_accum, run_dir,
-               built.pipeline, built.loss_fn, checkpointer, start_step, guard, built.autocast_dtype)
+               built.pipeline, built.loss_fn, checkpointer, start_step, guard, validator, profiler,
+               GarbageCollection(t.gc_freq),  # last: it freezes what setup built
+               autocast_dtype=built.autocast_dtype)
 
 
 def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tensor) -> torch.Tensor:
@@ -153,6 +171,7 @@ def train_loop(job: Job) -> list[dict]:
     records, step = [], job.start_step
     while step < t.steps:
         step += 1
+        job.gc_handler.run(step)
         micro_batches = [next(job.loader) for _ in range(job.grad_accum)]
         # The loss is a mean over every target token of the global batch, so
         # count them across data-parallel ranks before any backward.
@@ -170,18 +189,23 @@ def train_loop(job: Job) -> list[dict]:
         if step == job.start_step + 1:  # past compilation and first-time allocations
             set_collective_timeout(cfg.comm.train_timeout_seconds)
 
-        log = job.metrics.should_log(step, t.steps)
+        with job.metrics.untimed():  # not training throughput
+            val = job.validator.maybe_run(step, t.steps)
+        log = bool(val) or job.metrics.should_log(step, t.steps)
         if log or job.guard.event_known or job.checkpointer.due(step, t.steps):  # never save unjudged steps
-            logged, rolled_back_to = job.guard.settle(
-                step, log, job.metrics, job.checkpointer, tokens_seen_per_dataset=job.loader.tokens_seen_per_dataset())
+            logged, rolled_back_to = job.guard.settle(step, log, job.metrics, job.checkpointer, at_step=val,
+                                                      tokens_seen_per_dataset=job.loader.tokens_seen_per_dataset())
             records += logged
             if rolled_back_to is not None:
                 step = rolled_back_to
                 continue
         job.checkpointer.maybe_save(step, t.steps)
+        job.profiler.step(step)
     job.checkpointer.close()
     if cfg.checkpoint.export_hf:
         job.checkpointer.export_hf(job.run_dir / "hf")
+    last = latest_step(job.checkpointer.root) if cfg.checkpoint.enable else None
+    job.metrics.summary(step_folder(job.checkpointer.root, last) if last is not None else None)
     return records
 
 
@@ -198,10 +222,15 @@ def train(cfg: JobConfig) -> list[dict]:
         job = setup(cfg, info)
         try:
             return train_loop(job)
+        except torch.OutOfMemoryError:
+            job.profiler.dump_memory(f"oom_step{job.profiler.last_step + 1}")
+            raise
         except TrainingStopped:
             job.checkpointer.close()  # a save of an earlier step may be in flight: let it commit
             raise
         finally:
+            job.gc_handler.close()
+            job.profiler.close()
             job.metrics.close()
             # Release FSDP/DTensor state (and the collective work objects it
             # holds) while the process groups still exist.

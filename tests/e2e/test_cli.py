@@ -14,7 +14,7 @@ def test_torchrun_two_ranks_end_to_end(cli, tmp_path):
     proc = cli(["--recipe", str(RECIPES / "debug.toml"), "--training.steps", "20", "--metrics.log_freq=5",
                 f"--job.dump_folder={tmp_path}"], nproc=2)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "dp_shard=2" in proc.stdout and "step     20" in proc.stdout
+    assert "dp_shard=2" in proc.stdout and "step 20/20 | loss" in proc.stdout
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in records] == [1, 5, 10, 15, 20]
     for r in records:

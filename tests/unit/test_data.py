@@ -12,6 +12,7 @@ import torch
 
 from trainlib.data import (
     DEFAULT_CORPUS_PATH,
+    DEFAULT_VALIDATION_PATH,
     ByteTokenizer,
     DataConfig,
     PackedDataLoader,
@@ -404,5 +405,16 @@ def test_shipped_corpus():
     assert batch["input"][0, 0].item() == BYTE.bos_id
     assert BYTE.decode(batch["input"][0, 1:].tolist()).startswith(docs[0][:100])
     assert isinstance(dl, PackedDataLoader)
+
+
+def test_shipped_corpus_holds_out_validation_chapters():
+    def chapters(path):
+        with gzip.open(path, "rt", encoding="utf-8") as f:
+            return [json.loads(line)["text"].split("\n", 1)[0] for line in f]
+
+    train, val = chapters(DEFAULT_CORPUS_PATH), chapters(DEFAULT_VALIDATION_PATH)
+    assert (len(train), len(val)) == (1150, 39)  # every 30th of the 1,189 chapters (corpus/README.md)
+    assert not set(train) & set(val)
+    assert val[:3] == ["Genesis 30", "Exodus 10", "Exodus 40"] and val[-1] == "Revelation 3"
 
 

@@ -64,6 +64,17 @@ def test_skip_logs_every_event_off_the_log_steps_and_counts_the_budget(impl):
         guard.settle(7, True, Log(), NoCheckpoint())
 
 
+def test_at_step_fields_go_only_into_the_settled_steps_record():
+    # fused: the skip of step 2 is learnt at step 3's settle, which logs both records
+    guard, *_ = _guard("fused", on_nonfinite="skip")
+    for i, loss in enumerate([2.0, math.nan, 2.0], 1):
+        guard.check(i, torch.tensor(loss), torch.tensor(1.0))
+    log = Log()
+    guard.settle(3, True, log, NoCheckpoint(), at_step={"val_loss": 1.5}, tokens_seen_per_dataset={"a": 3})
+    assert [(r["step"], r.get("event"), r.get("val_loss"), r["tokens_seen_per_dataset"]) for r in log.records] == [
+        (2, "nonfinite", None, {"a": 3}), (3, None, 1.5, {"a": 3})]
+
+
 def test_rollback_without_a_checkpoint_stops():
     guard, *_ = _guard(on_nonfinite="rollback")
     with pytest.raises(TrainingStopped, match="rollback, but there is no complete checkpoint yet"):

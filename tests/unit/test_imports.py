@@ -26,11 +26,11 @@ ROOT = Path(trainlib.__file__).parent
 # checkpoint.bench, can sit above its package).
 LAYERS = [
     ("core: single-process parts, each usable alone",
-     ["trainlib.errors", "trainlib.guard", "trainlib.config.loader", "trainlib.config.cli", "trainlib.config.recipes", "trainlib.launch", "trainlib.hardware", "trainlib.loss", "trainlib.distributed", "trainlib.metrics",
+     ["trainlib.errors", "trainlib.guard", "trainlib.config.loader", "trainlib.config.cli", "trainlib.config.recipes", "trainlib.launch", "trainlib.hardware", "trainlib.loss", "trainlib.distributed", "trainlib.metrics", "trainlib.profiling",
       "trainlib.optim", "trainlib.float8", "trainlib.data", "trainlib.data.*", "trainlib.models",
       "trainlib.params", "trainlib.models.*.model", "trainlib.models.*.state_dict_adapter"]),
     ("parallel: the mesh, one module per axis, per-model parallelization",
-     ["trainlib.parallel", "trainlib.parallel.*", "trainlib.models.*", "trainlib.build"]),
+     ["trainlib.parallel", "trainlib.parallel.*", "trainlib.models.*", "trainlib.build", "trainlib.validation"]),
     ("checkpoint: DCP save/load of Stateful parts, HF/Meta interop",
      ["trainlib.checkpoint", "trainlib.checkpoint.*"]),
     ("job config: composes every component's config; cross-field validation",

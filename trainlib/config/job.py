@@ -22,6 +22,8 @@ from trainlib.optim import LRSchedulerConfig, OptimizerConfig
 from trainlib.parallel.ac import ActivationCheckpointConfig
 from trainlib.parallel.compile import CompileConfig
 from trainlib.parallel.config import ParallelismConfig
+from trainlib.profiling import ProfilingConfig
+from trainlib.validation import ValidationConfig
 
 
 @dataclass
@@ -64,12 +66,17 @@ class TrainingConfig(GuardConfig):
         "how a bfloat16 mixed_precision_param is applied: auto = torch.autocast over fp32 weights in a job of one "
         "rank, FSDP's mixed-precision policy otherwise; fsdp = FSDP everywhere (also on one rank); "
         "autocast = autocast (one rank only)")})
+    gc_freq: int = field(default=50, metadata={"help": "Python's automatic garbage collection is off during "
+                                                       "training and a collection runs every gc_freq steps; "
+                                                       "0 = leave it automatic (docs/performance.md)"})
 
     def __post_init__(self) -> None:
         super().__post_init__()
         for key in ("steps", "seq_len", "global_batch_size"):
             if getattr(self, key) < 1:
                 raise ConfigError(f"training.{key} must be >= 1, got {getattr(self, key)}")
+        if self.gc_freq < 0:
+            raise ConfigError(f"training.gc_freq must be >= 0 (0 = automatic collection), got {self.gc_freq}")
         if self.local_batch_size is not None and self.local_batch_size < 1:
             raise ConfigError(f"training.local_batch_size must be >= 1, got {self.local_batch_size}")
 
@@ -100,6 +107,8 @@ class JobConfig:
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
     float8: Float8Config = field(default_factory=Float8Config)
     compile: CompileConfig = field(default_factory=CompileConfig)

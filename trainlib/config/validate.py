@@ -7,7 +7,10 @@ live here.
 
 from __future__ import annotations
 
+import importlib.util
 import inspect
+
+import torch
 
 from trainlib.config.job import JobConfig
 from trainlib.config.loader import ConfigError
@@ -63,6 +66,17 @@ def validate_job(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs, toke
                 f"model.attn_mask = 'document' needs a model whose forward takes doc_ids, and model.name "
                 f"'{cfg.model.name}' has none; set model.attn_mask = 'causal'"
             )
+
+
+def validate_machine(cfg: JobConfig, device: torch.device) -> None:
+    """Rules about the machine the job runs on rather than its shape (the planner skips them)."""
+    for enabled, package in ((cfg.metrics.enable_tensorboard, "tensorboard"), (cfg.metrics.enable_wandb, "wandb")):
+        if enabled and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"metrics.enable_{package} = true needs the {package} package, which is not installed: "
+                              f"pip install 'trainlib[{package}]', or set metrics.enable_{package} = false")
+    if cfg.profiling.enable_memory_snapshot and device.type != "cuda":
+        raise ConfigError(f"profiling.enable_memory_snapshot records the CUDA caching allocator; this job runs on "
+                          f"{device.type}: set profiling.enable_memory_snapshot = false")
 
 
 def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -> None:

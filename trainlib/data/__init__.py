@@ -3,6 +3,7 @@ prepared token shards written by `python -m trainlib.data.prepare`)."""
 
 from trainlib.data.dataset import (
     DEFAULT_CORPUS_PATH,
+    DEFAULT_VALIDATION_PATH,
     DataConfig,
     DataLoader,
     PackedDataLoader,
@@ -22,6 +23,7 @@ from trainlib.data.tokenizer import (
 
 __all__ = [
     "DEFAULT_CORPUS_PATH",
+    "DEFAULT_VALIDATION_PATH",
     "DataConfig",
     "DataLoader",
     "PackedDataLoader",

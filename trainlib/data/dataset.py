@@ -52,10 +52,13 @@ __all__ = [
     "build_dataloader",
     "resolve_data_files",
     "DEFAULT_CORPUS_PATH",
+    "DEFAULT_VALIDATION_PATH",
 ]
 
-# King James Bible, one chapter per line; see corpus/README.md.
-DEFAULT_CORPUS_PATH = str(Path(__file__).resolve().parent / "corpus" / "kjv.jsonl.gz")
+# King James Bible, one chapter per line; see corpus/README.md. Training's default
+# excludes the held-out chapters of validation's default, validation on or off.
+DEFAULT_CORPUS_PATH = str(Path(__file__).resolve().parent / "corpus" / "kjv_train.jsonl.gz")
+DEFAULT_VALIDATION_PATH = str(Path(__file__).resolve().parent / "corpus" / "kjv_val.jsonl.gz")
 
 _STATE_VERSION = 1
 

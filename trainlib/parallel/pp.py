@@ -21,6 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.pipelining import (
@@ -115,6 +116,7 @@ class Pipeline:
     has_first: bool
     has_last: bool
     n_microbatches: int  # schedule runs per local micro-batch of the loop
+    owners: list[int]  # pipeline rank of each stage, in stage order
     criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
     _n_targets: torch.Tensor | None = field(default=None, repr=False)
 
@@ -141,6 +143,53 @@ class Pipeline:
                 loss_sum += torch.stack([loss.detach() for loss in losses]).sum()
         return loss_sum
 
+    def eval(self, micro_batches: list[dict], device: torch.device) -> torch.Tensor:
+        """Forward only: the sum of the micro-batches' token losses (0 on ranks without
+        the last stage); the caller divides by the global count.
+
+        Each pipeline micro-batch goes through the stages in order, without overlap,
+        calling the stage modules directly: torch 2.13's `schedule.eval` runs the
+        backward actions of V schedules (ZBVZeroBubble, DualPipeV) and fails, and
+        switching a schedule between eval and training re-initialises its stages."""
+        group = self.stages[0].group
+        mine = {stage.stage_index: stage.submod for stage in self.stages}
+        last = len(self.owners) - 1
+        loss_sum = torch.zeros((), device=device)
+        for mb in micro_batches:
+            split = self.n_microbatches
+            docs = mb["doc_ids"].to(device).tensor_split(split) if "doc_ids" in mb else [None] * split
+            chunks = zip(mb["input"].to(device).tensor_split(split), mb["labels"].to(device).tensor_split(split), docs)
+            for x, labels, doc_ids in chunks:
+                for sid in sorted(mine):
+                    if sid > 0 and sid - 1 not in mine:
+                        x = _recv_activation(self.owners[sid - 1], group, device)
+                    x = mine[sid](x, doc_ids=doc_ids)
+                    if sid == last:
+                        loss_sum += self.criterion(x, labels)
+                    elif sid + 1 not in mine:
+                        _send_activation(x, self.owners[sid + 1], group)
+        return loss_sum
+
+
+_WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_HEADER = 8  # dtype, ndim, shape
+
+
+def _send_activation(x: torch.Tensor, peer: int, group) -> None:
+    header = torch.zeros(_HEADER, dtype=torch.int64, device=x.device)
+    header[:2 + x.ndim] = torch.tensor([_WIRE_DTYPES.index(x.dtype), x.ndim, *x.shape])
+    dist.send(header, group=group, group_dst=peer)
+    dist.send(x.contiguous(), group=group, group_dst=peer)
+
+
+def _recv_activation(peer: int, group, device: torch.device) -> torch.Tensor:
+    header = torch.empty(_HEADER, dtype=torch.int64, device=device)
+    dist.recv(header, group=group, group_src=peer)
+    dtype, ndim, *shape = header.tolist()
+    x = torch.empty(shape[:ndim], dtype=_WIRE_DTYPES[dtype], device=device)
+    dist.recv(x, group=group, group_src=peer)
+    return x
+
 
 def pipeline_llama(
     model: nn.Module,
@@ -166,8 +215,10 @@ def pipeline_llama(
         part = parallelize(part)
         parts.append(part)
         stages.append(PipelineStage(part, sid, n_stages, device, group=pp_mesh.get_group()))
+    owners = {sid: rank for rank in range(pp) for sid in stage_ids(rank, pp, n_stages_per_rank, schedule)}
     pipe = Pipeline(None, stages, parts, has_first=any(s.is_first for s in stages),
-                    has_last=any(s.is_last for s in stages), n_microbatches=n_microbatches, criterion=criterion)
+                    has_last=any(s.is_last for s in stages), n_microbatches=n_microbatches,
+                    owners=[owners[sid] for sid in range(n_stages)], criterion=criterion)
     cls = schedule_class(schedule)
     sched_stages = stages[0] if schedule in SINGLE_STAGE_SCHEDULES else stages
     # torch's own setup rules for the schedules are checked first, as user errors, by validate_job.

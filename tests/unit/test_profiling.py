@@ -1,0 +1,108 @@
+"""Profiler windows, memory snapshots, and the garbage collector kept off the step."""
+
+import gc
+import importlib.util
+import json
+import pickle
+
+import pytest
+import torch
+
+import trainlib.train as train_module
+from tests.helpers import REPO
+from trainlib.config import ConfigError, load_job_config
+from trainlib.profiling import ProfilingConfig
+from trainlib.train import train
+
+
+def _cfg(tmp_path, *overrides):
+    return load_job_config(None, [f"--job.dump_folder={tmp_path}", "--training.seq_len=32",
+                                  "--training.global_batch_size=4", "--metrics.console=false", *overrides])
+
+
+def _profiler_steps(trace):
+    events = json.loads(trace.read_text())["traceEvents"]
+    return sorted(int(e["name"].split("#")[1]) for e in events if e.get("name", "").startswith("ProfilerStep#"))
+
+
+def test_traces_hold_exactly_each_windows_active_steps(tmp_path):
+    # windows end at steps 3 and 6; each records 2 steps after 1 warmup step; the third window is not traced
+    train(_cfg(tmp_path, "--training.steps=9", "--profiling.enable_profiling=true", "--profiling.profile_freq=3",
+               "--profiling.profile_warmup=1", "--profiling.profile_active=2", "--profiling.profile_windows=2"))
+    folders = sorted(p.name for p in (tmp_path / "profile_traces").iterdir())
+    assert folders == ["step-3", "step-6"]
+    # ProfilerStep#i is the process's step i, training step i + 1
+    assert _profiler_steps(tmp_path / "profile_traces/step-3/rank0_trace.json") == [1, 2]
+    assert _profiler_steps(tmp_path / "profile_traces/step-6/rank0_trace.json") == [4, 5]
+
+
+def test_profiling_window_must_fit_its_period():
+    with pytest.raises(ValueError, match=r"profile_warmup \(3\) \+ profile_active \(2\) must fit in profile_freq \(4\)"):
+        ProfilingConfig(profile_freq=4, profile_warmup=3, profile_active=2)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU refusal")
+def test_memory_snapshot_on_cpu_is_a_one_line_error(tmp_path):
+    with pytest.raises(ConfigError, match=r"^profiling.enable_memory_snapshot records the CUDA caching allocator; "
+                                          r"this job runs on cpu: set profiling.enable_memory_snapshot = false$"):
+        train(_cfg(tmp_path, "--training.steps=1", "--profiling.enable_memory_snapshot=true"))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_memory_snapshot_at_the_chosen_step_on_cuda(tmp_path):
+    train(_cfg(tmp_path, "--training.steps=3", "--job.device=cuda", "--profiling.enable_memory_snapshot=true",
+               "--profiling.memory_snapshot_step=2"))
+    (path,) = (tmp_path / "memory_snapshot").iterdir()
+    assert path.name == "rank0_step2.pickle"
+    snapshot = pickle.loads(path.read_bytes())
+    assert snapshot["segments"] and snapshot["device_traces"][0]  # what memory_viz draws
+
+
+def _watch_gc(monkeypatch):
+    """Record, at every step's forward-backward, whether automatic collection is on and how many
+    objects are frozen; and count full (generation-2) collections while the loop runs."""
+    seen, collections = [], []
+    real = train_module.forward_backward
+
+    def watched(*args):
+        seen.append((gc.isenabled(), gc.get_freeze_count() > 0))
+        return real(*args)
+
+    def count(phase, info):
+        if phase == "start" and info["generation"] == 2 and seen:
+            collections.append(len(seen))  # the step about to run (or just run)
+
+    monkeypatch.setattr(train_module, "forward_backward", watched)
+    gc.callbacks.append(count)
+    return seen, collections, lambda: gc.callbacks.remove(count)
+
+
+def test_gc_is_off_during_training_with_a_collection_every_gc_freq_steps(tmp_path, monkeypatch):
+    seen, collections, done = _watch_gc(monkeypatch)
+    try:
+        train(_cfg(tmp_path, "--training.steps=6", "--training.gc_freq=2"))
+    finally:
+        done()
+    assert seen == [(False, True)] * 6
+    assert collections[:3] == [1, 3, 5]  # before steps 2, 4, 6 (then train's own cleanup)
+    assert gc.isenabled() and gc.get_freeze_count() == 0  # restored
+
+
+def test_gc_freq_0_leaves_python_collection_automatic(tmp_path, monkeypatch):
+    seen, _, done = _watch_gc(monkeypatch)
+    try:
+        train(_cfg(tmp_path, "--training.steps=2", "--training.gc_freq=0"))
+    finally:
+        done()
+    assert seen == [(True, False)] * 2
+
+
+def test_gc_jitter_script_reports_both_modes(capsys):
+    spec = importlib.util.spec_from_file_location("gc_jitter", REPO / "scripts" / "gc_jitter.py")
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)
+    assert script.main(["--steps=4", "--gc-freq=2", "--training.seq_len=32", "--training.global_batch_size=4"]) == 0
+    rows = [x.split() for x in capsys.readouterr().out.splitlines() if x.split() and x.split()[0].isdigit()]
+    assert [r[0] for r in rows] == ["0", "2"]
+    assert rows[1][rows[1].index("gen2") + 1] == "2"  # the scheduled ones, before steps 2 and 4
