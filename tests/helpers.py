@@ -58,6 +58,22 @@ def cxx_compiler_problem() -> str | None:
 needs_cxx_compiler = pytest.mark.skipif(cxx_compiler_problem() is not None, reason=cxx_compiler_problem() or "")
 
 
+def _cuda_problem(min_capability: tuple[int, int] | None = None) -> str | None:
+    import torch
+
+    if not torch.cuda.is_available():
+        return f"needs a CUDA device; none is visible to torch {torch.__version__}"
+    cap = torch.cuda.get_device_capability()
+    if min_capability and cap < min_capability:
+        return (f"needs CUDA compute capability >= {min_capability[0]}.{min_capability[1]} (float8 matmuls); "
+                f"{torch.cuda.get_device_name()} is {cap[0]}.{cap[1]}")
+    return None
+
+
+needs_cuda = pytest.mark.skipif(_cuda_problem() is not None, reason=_cuda_problem() or "")
+needs_float8_gpu = pytest.mark.skipif(_cuda_problem((8, 9)) is not None, reason=_cuda_problem((8, 9)) or "")
+
+
 def _entry(rank, fn, world, store_path, err_dir, args):
     import torch.distributed as dist
 

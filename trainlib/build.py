@@ -11,13 +11,15 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import torch
 from torch import nn
 
+from trainlib.errors import ConfigError
 from trainlib.float8 import check_float8_hardware, convert_float8
-from trainlib.loss import cross_entropy_sum
+from trainlib.loss import chunked_cross_entropy_sum, cross_entropy_sum
 from trainlib.models import count_params
 from trainlib.models.registry import get_model_spec, model_args
 from trainlib.parallel.compile import maybe_compile_loss
@@ -31,7 +33,12 @@ class ModelParts:
     pipeline: Pipeline | None  # set under pipeline parallelism
     model_args: Any
     n_params: int  # of the whole model, before any split or sharding
-    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]  # compiled when compile.loss is set
+    # (model output, labels) -> sum of token losses; the output is the final
+    # hidden states under loss.chunked. Its cross-entropy is compiled when compile.loss is set.
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    # Run the forward and the loss under torch.autocast(device, this dtype)
+    # (the weights stay fp32); None: FSDP casts the parameters, or fp32.
+    autocast_dtype: torch.dtype | None = None
 
 
 def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelParts:
@@ -47,15 +54,48 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelPar
     with torch.device("meta"):
         model = spec.model_cls(args, rope_len=t.seq_len)
     n_params = count_params(model)
+    autocast = dims.autocast_dtype(t.param_dtype, t.mixed_precision_impl, cfg.parallelism.fsdp_cpu_offload)
+    param_dtype = torch.float32 if autocast else t.param_dtype  # under autocast the weights stay fp32
     check_float8_hardware(cfg.float8, device)
-    convert_float8(model, cfg.float8, fsdp=dims.uses_fsdp(t.param_dtype))
+    convert_float8(model, cfg.float8, fsdp=dims.uses_fsdp(param_dtype))
 
     def parallelize(m: nn.Module) -> nn.Module:
-        return spec.parallelize(m, dims, cfg.parallelism, param_dtype=t.param_dtype, reduce_dtype=t.reduce_dtype,
+        return spec.parallelize(m, dims, cfg.parallelism, param_dtype=param_dtype, reduce_dtype=t.reduce_dtype,
                                 ac=cfg.activation_checkpoint, compile=cfg.compile)
 
     loss_fn = maybe_compile_loss(cross_entropy_sum, cfg.compile)
+    if cfg.loss.chunked:  # the loss applies the output projection's weight, chunk by chunk
+        if type(model.output) is not nn.Linear:
+            raise ConfigError(
+                f"loss.chunked applies the output projection's weight in bf16/fp32 matmuls, but the output layer is "
+                f"a {type(model.output).__name__} (float8.filter_fqns={cfg.float8.filter_fqns} does not exclude "
+                f"'output'); add 'output' to float8.filter_fqns or set loss.chunked=false")
+        model.output_in_forward = False
+        loss_fn = partial(chunked_cross_entropy_sum, output=model.output, chunk_tokens=cfg.loss.chunk_tokens,
+                          ce=loss_fn, loss_parallel=cfg.parallelism.tp_loss_parallel)
     if dims.pp_enabled:  # this rank's stages, each parallelized like a whole model
         pipeline = build_pipeline(model, dims, cfg.parallelism, device, parallelize, loss_fn)
-        return ModelParts(pipeline.model_parts, pipeline, args, n_params, loss_fn)
-    return ModelParts([parallelize(model)], None, args, n_params, loss_fn)
+        return ModelParts(pipeline.model_parts, pipeline, args, n_params, loss_fn, autocast)
+    return ModelParts([parallelize(model)], None, args, n_params, loss_fn, autocast)
+
+
+def describe_choices(cfg, built: ModelParts, optimizer_impl: str) -> str:
+    """One line of what runs: the choices made automatically ("auto" keys) and the speed levers as set."""
+    t = cfg.training
+    if built.autocast_dtype is not None:
+        precision = f"{t.mixed_precision_param} autocast over fp32 weights ({t.mixed_precision_impl})"
+    elif t.mixed_precision_param != "float32":
+        precision = f"{t.mixed_precision_param} params by FSDP, {t.mixed_precision_reduce} reduce"
+    else:
+        precision = "float32"
+    ac = cfg.activation_checkpoint
+    parts = [
+        f"adamw {optimizer_impl}" + (" (auto)" if cfg.optimizer.implementation == "auto" else ""),
+        precision,
+        f"loss chunked by {cfg.loss.chunk_tokens} tokens" if cfg.loss.chunked else "loss on whole logits",
+        f"AC {ac.mode}" + (f" ({ac.selective_op_policy})" if ac.mode == "selective_op" else ""),
+        ("compile blocks" + (" + loss" if cfg.compile.loss else "")) if cfg.compile.enable else "eager",
+        f"float8 {cfg.float8.recipe}" if cfg.float8.enable else "no float8",
+    ]
+    return "chosen: " + " | ".join(parts)
+

@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import fnmatch
 import logging
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -59,15 +60,60 @@ class Float8Config:
     # tensorwise + FSDP: all-gather weights in float8 and precompute their
     # scales after each optimizer step. Ignored by the rowwise recipes.
     fsdp_float8_all_gather: bool = True
+    # Linears whose size 2*in*out/(in+out) (the harmonic mean of their in and
+    # out features) is below this stay in high precision. Per token, float8
+    # halves a linear's matmul time, which grows as in*out, and adds casts of
+    # its input and output gradient, which grow as in+out: small or skinny
+    # linears lose. None: the recipe's bound, MIN_SIZE; 0: every linear with
+    # dims multiple of 16 (the behaviour before this key).
+    min_size: int | None = None
+
+    def __post_init__(self) -> None:
+        if self.min_size is not None and self.min_size < 0:
+            raise ConfigError(f"float8.min_size must be >= 0 (or unset for the recipe's bound), got {self.min_size}")
 
 
-def _should_convert(module: nn.Module, fqn: str, patterns: list[str]) -> bool:
-    if not isinstance(module, nn.Linear):
-        return False
-    if any(fnmatch.fnmatchcase(fqn, p) for p in patterns):
-        return False
+# Per recipe; placed so that on Llama shapes they keep what torchao's H100
+# microbenchmarks (torchao/float8 README) show losing: tensorwise keeps the
+# kv projections (dim -> n_kv_heads * 128: 1B 819, 3B 1536, 8B 1638, 70B
+# 1820); the rowwise recipes, which also re-cast input and weight along the
+# other axis in backward, also keep 1B's square attention projections (2048).
+# Converted: tensorwise every other block linear from 1B on (sizes >= 2048),
+# rowwise 1B's SwiGLU (3277), from 3B on everything but the kv projections.
+MIN_SIZE = {"tensorwise": 2048, "rowwise": 3072, "rowwise_with_gw_hp": 3072}
+
+
+def linear_size(in_features: int, out_features: int) -> float:
+    return 2 * in_features * out_features / (in_features + out_features)
+
+
+def kept_reason(module: nn.Module, fqn: str, cfg: Float8Config) -> str | None:
+    """Why the linear `module` named `fqn` stays in high precision, or None if it converts."""
+    if any(fnmatch.fnmatchcase(fqn, p) for p in cfg.filter_fqns):
+        return "filter_fqns"
     # float8 matmul kernels need both dims to be multiples of 16.
-    return module.in_features % 16 == 0 and module.out_features % 16 == 0
+    if module.in_features % 16 or module.out_features % 16:
+        return "dims not multiples of 16"
+    bound = MIN_SIZE[cfg.recipe] if cfg.min_size is None else cfg.min_size
+    if linear_size(module.in_features, module.out_features) < bound:
+        return f"size < min_size {bound}"
+    return None
+
+
+def refusal(recipe: str, compiled: bool, ac_mode: str, selective_op_policy: str) -> str | None:
+    """Why this float8 x compile x AC combination is refused at setup, or None.
+
+    Refused: combinations measured to train wrong whose cause is not found. A
+    silent wrong run is worse than none (docs/gpu-next-session.md: how to find
+    the cause with a GPU, and lift this)."""
+    if (recipe.startswith("rowwise") and compiled and ac_mode == "selective_op"
+            and selective_op_policy == "every_other_mm"):
+        return (f"float8.recipe = '{recipe}' with compile.enable and activation_checkpoint.mode = 'selective_op', "
+                f"selective_op_policy = 'every_other_mm' trained wrong on one H100 (torch 2.11, torchao 0.17: grad "
+                f"norm 3287 at step 1 against 41 in bf16, then a NaN loss; rowwise was finite in eager and with AC "
+                f"all_mm, full or none) and the cause is not yet found; set selective_op_policy = 'all_mm', "
+                f"another activation_checkpoint.mode, compile.enable = false, or float8.recipe = 'tensorwise'")
+    return None
 
 
 def check_float8_hardware(cfg: Float8Config, device: torch.device) -> None:
@@ -100,21 +146,30 @@ def convert_float8(model: nn.Module, cfg: Float8Config, *, fsdp: bool) -> list[s
         enable_fsdp_float8_all_gather=fsdp and cfg.recipe == "tensorwise" and cfg.fsdp_float8_all_gather,
     )
     converted: list[str] = []
+    shapes: Counter[str] = Counter()  # "in->out" of converted linears
+    kept: Counter[str] = Counter()  # "in->out (reason)" of the others
 
-    def keep(module: nn.Module, fqn: str) -> bool:
-        ok = _should_convert(module, fqn, cfg.filter_fqns)
-        if ok:
+    def convert(module: nn.Module, fqn: str) -> bool:
+        if not isinstance(module, nn.Linear):
+            return False
+        reason = kept_reason(module, fqn, cfg)
+        shape = f"{module.in_features}->{module.out_features}"
+        if reason is None:
             converted.append(fqn)
-        return ok
+            shapes[shape] += 1
+        else:
+            kept[f"{shape} ({reason})"] += 1
+        return reason is None
 
-    convert_to_float8_training(model, config=config, module_filter_fn=keep)
+    convert_to_float8_training(model, config=config, module_filter_fn=convert)
+    kept_text = ", ".join(f"{n} x {k}" for k, n in kept.items()) or "none"
     if not converted:
         raise ConfigError(
-            f"float8.enable is set but no linear layer was converted (filter_fqns={cfg.filter_fqns}, and dims must "
-            f"be multiples of 16); narrow float8.filter_fqns or set float8.enable=false"
-        )
+            f"float8.enable is set but no linear layer was converted (kept in high precision: {kept_text}); "
+            f"lower float8.min_size (0 converts every linear), narrow float8.filter_fqns, or set float8.enable=false")
     logger.info(f"float8 {cfg.recipe}{' (emulated)' if cfg.emulate else ''}: {len(converted)} linears converted"
-                f"{', float8 FSDP all-gather' if config.enable_fsdp_float8_all_gather else ''}")
+                f"{', float8 FSDP all-gather' if config.enable_fsdp_float8_all_gather else ''}: "
+                + ", ".join(f"{n} x {k}" for k, n in shapes.items()) + f"; kept in high precision: {kept_text}")
     return converted
 
 

@@ -68,6 +68,8 @@ def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
         param.copy_(full)
 
 
-def init_param_(param: torch.Tensor, spec: tuple[str, float], seed: int, name: str) -> None:
-    """Initialise `param` (possibly a shard) to the full value of `name`."""
-    copy_full_(param, generate_init(spec, param.shape, seed, name, param.device, param.dtype))
+def init_param_(param: torch.Tensor, spec: tuple[str, float], seed: int, name: str, device=None) -> None:
+    """Initialise `param` (possibly a shard) to the full value of `name`,
+    drawn on `device` (default: the parameter's own; a CPU-offloaded
+    parameter draws on the compute device, so its values are that device's)."""
+    copy_full_(param, generate_init(spec, param.shape, seed, name, device or param.device, param.dtype))

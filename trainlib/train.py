@@ -22,7 +22,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainlib.build import build_model_parts
+from trainlib.build import build_model_parts, describe_choices
 from trainlib.checkpoint import Checkpointer, ModelState, OptimizerState, TrainState
 from trainlib.checkpoint.manager import latest_step, step_folder
 from trainlib.config import ConfigError, JobConfig, config_to_dict, load_job_config, save_config
@@ -36,7 +36,7 @@ from trainlib.guard import Guard
 from trainlib.loss import count_targets, cross_entropy_sum
 from trainlib.metrics import MetricsLogger, setup_logging
 from trainlib.models.registry import get_model_spec, model_args
-from trainlib.optim import build_lr_scheduler, build_optimizer
+from trainlib.optim import build_lr_scheduler, build_optimizer, implementation_of
 from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
 from trainlib.parallel.pp import Pipeline
 from trainlib.parallel.tp import loss_context
@@ -62,13 +62,14 @@ class Job:
     grad_accum: int
     run_dir: Path
     pipeline: Pipeline | None = None  # set under pipeline parallelism
-    loss_fn: Callable = cross_entropy_sum  # compiled when compile.loss is set
+    loss_fn: Callable = cross_entropy_sum  # (model output, labels) -> loss sum; see build.ModelParts
     checkpointer: Checkpointer | None = None
     start_step: int = 0  # the last step already done (restored from a checkpoint)
     guard: Guard | None = None
     validator: Validator | None = None
     profiler: Profiler | None = None
     gc_handler: GarbageCollection | None = None
+    autocast_dtype: torch.dtype | None = None  # bf16 on one rank (build.ModelParts.autocast_dtype)
     monitor: StepMonitor | None = None  # preemption, hang watchdog, step-time spread
 
 
@@ -89,8 +90,8 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
         save_config(cfg, run_dir / "config.toml")
 
     built = build_model_parts(cfg, dims, info.device)  # meta build, float8, PP split, parallelize
-    for part in built.parts:
-        init_model_weights(part, t.seed, info.device)
+    for part in built.parts:  # FSDP's CPU offload wants its parameter shards materialised on the CPU
+        init_model_weights(part, t.seed, info.device, "cpu" if cfg.parallelism.fsdp_cpu_offload else None)
         part.train()
 
     optimizer = build_optimizer(built.parts, cfg.optimizer)
@@ -107,7 +108,7 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     validator = build_validator(cfg.validation, tokenizer, t.seq_len, local_bs, grad_accum, dims, t.seed, built.parts,
                                 info.device, loss_fn=built.loss_fn, pipeline=built.pipeline,
                                 cp_load_balance=par.cp_load_balance, tp_loss_parallel=par.tp_loss_parallel,
-                                document_mask=cfg.model.attn_mask == "document")
+                                document_mask=cfg.model.attn_mask == "document", autocast_dtype=built.autocast_dtype)
     profiler = Profiler(cfg.profiling, run_dir, info.rank, info.device, start_step)
     flops = get_model_spec(cfg.model.name).flops_per_token(built.model_args, t.seq_len)
     metrics = MetricsLogger(cfg.metrics, run_dir, rank=info.rank, device=info.device, flops_per_token=flops,
@@ -121,10 +122,12 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
         f"{t.global_batch_size} x {t.seq_len} tokens = local {local_bs} x dp {dims.dp} x accum {grad_accum} | "
         f"run dir {run_dir}"
     )
+    logger.info(describe_choices(cfg, built, implementation_of(optimizer)))
     monitor = StepMonitor(cfg.watchdog, cfg.comm.train_timeout_seconds, run_dir)
     return Job(cfg, info, dims, built.parts, optimizer, scheduler, loader, metrics, grad_accum, run_dir,
                built.pipeline, built.loss_fn, checkpointer, start_step, guard, validator, profiler,
-               GarbageCollection(t.gc_freq), monitor)  # the last built: it freezes what setup built
+               GarbageCollection(t.gc_freq),  # the last built: it freezes what setup built
+               autocast_dtype=built.autocast_dtype, monitor=monitor)
 
 
 def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tensor) -> torch.Tensor:
@@ -143,9 +146,13 @@ def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tenso
         (model,) = job.model_parts
         loss_sum = torch.zeros((), device=device)
         for mb in micro_batches:
-            logits = model(mb["input"].to(device), doc_ids=mb.get("doc_ids"))
-            loss = job.loss_fn(logits, mb["labels"].to(device)) / n_targets
-            del logits  # free the largest activation before backward allocates
+            # Autocast's weight cache would hold a bf16 copy of every weight until the loss; each is used once.
+            with torch.autocast(device.type, job.autocast_dtype, enabled=job.autocast_dtype is not None,
+                                cache_enabled=False):
+                # logits, or hidden states under loss.chunked
+                out = model(mb["input"].to(device), doc_ids=mb.get("doc_ids"))
+                loss = job.loss_fn(out, mb["labels"].to(device)) / n_targets
+            del out  # free the largest activation before backward allocates
             loss.backward()
             loss_sum += loss.detach()
     return loss_sum

@@ -52,10 +52,12 @@ class Validator:
 
     def __init__(self, cfg: ValidationConfig, loader, model_parts: list[nn.Module], dims: ParallelDims,
                  device: torch.device, *, micro_batches: int, loss_fn: Callable, pipeline: Pipeline | None,
-                 cp_load_balance: bool, tp_loss_parallel: bool, document_mask: bool = False):
+                 cp_load_balance: bool, tp_loss_parallel: bool, document_mask: bool = False,
+                 autocast_dtype: torch.dtype | None = None):
         self.cfg, self.loader, self.model_parts, self.dims, self.device = cfg, loader, model_parts, dims, device
         self.micro_batches, self.loss_fn, self.pipeline = micro_batches, loss_fn, pipeline
         self.cp_load_balance, self.loss_parallel, self.document_mask = cp_load_balance, tp_loss_parallel, document_mask
+        self.autocast_dtype = autocast_dtype  # as in training: bf16 compute over fp32 weights on one rank
         self._start = loader.state_dict() if loader is not None else None
 
     def maybe_run(self, step: int, last_step: int) -> dict[str, float]:
@@ -69,7 +71,8 @@ class Validator:
         n_targets = torch.zeros((), device=self.device)
         for part in self.model_parts:
             part.eval()
-        with torch.no_grad(), loss_context(self.dims.tp_enabled and self.loss_parallel):
+        with torch.no_grad(), loss_context(self.dims.tp_enabled and self.loss_parallel), \
+                torch.autocast(self.device.type, self.autocast_dtype, enabled=self.autocast_dtype is not None):
             for _ in range(self.cfg.steps):
                 micro_batches = [next(self.loader) for _ in range(self.micro_batches)]
                 n_targets += sum(count_targets(mb["labels"]) for mb in micro_batches).to(self.device, torch.float32)
@@ -104,7 +107,8 @@ class Validator:
 def build_validator(cfg: ValidationConfig, tokenizer, seq_len: int, local_batch_size: int, micro_batches: int,
                     dims: ParallelDims, seed: int, model_parts: list[nn.Module], device: torch.device, *,
                     loss_fn: Callable, pipeline: Pipeline | None, cp_load_balance: bool,
-                    tp_loss_parallel: bool, document_mask: bool) -> Validator:
+                    tp_loss_parallel: bool, document_mask: bool, autocast_dtype: torch.dtype | None = None
+                    ) -> Validator:
     """The job's validator; its loader is built (and its data checked) only when validation is enabled."""
     loader = None
     if cfg.enable:
@@ -115,4 +119,4 @@ def build_validator(cfg: ValidationConfig, tokenizer, seq_len: int, local_batch_
         loader = build_dataloader(data, tokenizer, seq_len, local_batch_size, dp_rank, dp_world, seed)
     return Validator(cfg, loader, model_parts, dims, device, micro_batches=micro_batches, loss_fn=loss_fn,
                      pipeline=pipeline, cp_load_balance=cp_load_balance, tp_loss_parallel=tp_loss_parallel,
-                     document_mask=document_mask)
+                     document_mask=document_mask, autocast_dtype=autocast_dtype)

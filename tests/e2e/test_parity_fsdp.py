@@ -7,7 +7,8 @@ TOL = 1e-5  # relative, fp32 on CPU; measured ~2e-7 (loss) and ~2e-6 (grad norm)
 
 def test_fsdp_and_hsdp_match_single_process():
     report = run_parity(str(RECIPES / "debug.toml"),
-                        ["dp_shard=2", "dp_shard=4", "dp_replicate=2,dp_shard=2"], steps=10)
+                        ["dp_shard=2", "dp_shard=4", "dp_replicate=2,dp_shard=2",
+                         "dp_shard=2,fsdp_cpu_offload=true"], steps=10)
     print(report.table())
     assert len(report.baseline.losses) == 10
     for run in report.runs:

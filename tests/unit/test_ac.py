@@ -3,6 +3,7 @@ and wrappers (AC, compile) that change neither init nor parameter keys."""
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainlib.loss import cross_entropy_sum
 from trainlib.params import canonical_name
@@ -98,3 +99,39 @@ def test_unknown_mode_is_rejected():
         apply_ac(model, "ful")
 
 
+
+
+class _RecomputedLinears(TorchDispatchMode):
+    """Names of the linears whose forward matmul runs while active: x @ W.t(), told
+    apart from backward's grad @ W by the transposed (non-contiguous) weight view."""
+
+    def __init__(self, model):
+        super().__init__()
+        self.names = {m.weight.data_ptr(): canonical_name(n).split(".", 2)[-1]
+                      for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
+        self.seen = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default and not args[1].is_contiguous():
+            self.seen.append(self.names.get(args[1].data_ptr()))
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode,policy,recomputed", [
+    ("selective_op", "all_mm", []),
+    # TorchTitan's choice: every second matmul of a block, the cheaper half (w3, not w1 and w2).
+    ("selective_op", "every_other_mm", ["attention.wk", "attention.wo", "feed_forward.w3"]),
+    # Every matmul but the last: no backward needs w2's output (the residual add saves nothing),
+    # and the recompute stops once it has what backward needs.
+    ("full", "all_mm", ["attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
+                        "feed_forward.w3"]),
+])
+def test_which_matmuls_backward_recomputes(mode, policy, recomputed):
+    model = Transformer(get_model_args("debug", n_layers=1), rope_len=64)
+    model.init_weights(0)
+    apply_ac(model, mode, selective_op_policy=policy)
+    tokens = _tokens()
+    loss = cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:])
+    with _RecomputedLinears(model) as seen:
+        loss.backward()
+    assert sorted(seen.seen) == sorted(recomputed)

@@ -85,7 +85,7 @@ def test_there_are_at_least_30_cases():
 def test_internal_error_keeps_its_traceback(capsys, tmp_path, monkeypatch, error):
     from trainlib.models.llama3 import Transformer
 
-    def forward(self, tokens):
+    def forward(self, tokens, *args, **kwargs):
         raise error
 
     monkeypatch.setattr(Transformer, "forward", forward)

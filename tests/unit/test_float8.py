@@ -19,7 +19,7 @@ def _converted_types(model):
 def test_convert_skips_output_and_patterns_and_odd_dims():
     args = get_model_args("debug", vocab_size=500)  # 500 % 16 != 0
     model = Transformer(args, rope_len=64)
-    cfg = Float8Config(enable=True, filter_fqns=["layers.1.*"])
+    cfg = Float8Config(enable=True, filter_fqns=["layers.1.*"], min_size=0)
     converted = convert_float8(model, cfg, fsdp=False)
     types = _converted_types(model)
     assert types["output"] == "Linear"  # dims not multiples of 16 (and not in the patterns)
@@ -28,7 +28,7 @@ def test_convert_skips_output_and_patterns_and_odd_dims():
     assert len(converted) == 7 * (args.n_layers - 1)
 
     model = Transformer(get_model_args("debug"), rope_len=64)
-    convert_float8(model, Float8Config(enable=True), fsdp=False)
+    convert_float8(model, Float8Config(enable=True, min_size=0), fsdp=False)
     assert _converted_types(model)["output"] == "Linear"  # skipped by the default pattern
 
 
@@ -69,7 +69,7 @@ def test_converted_linears_carry_the_recipe(recipe, emulate):
     from torchao.float8.float8_linear import Float8Linear
 
     model = Transformer(get_model_args("debug"), rope_len=64)
-    converted = convert_float8(model, Float8Config(enable=True, recipe=recipe, emulate=emulate), fsdp=True)
+    converted = convert_float8(model, Float8Config(enable=True, recipe=recipe, emulate=emulate, min_size=0), fsdp=True)
     fp8 = {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert sorted(fp8) == sorted(converted) and len(fp8) == 7 * get_model_args("debug").n_layers
     forward, grad_weight, grad_dtype = RECIPE_SCALING[recipe]
@@ -84,3 +84,80 @@ def test_converted_linears_carry_the_recipe(recipe, emulate):
         # float8 all-gather exists for tensorwise scales only (rowwise all-gathers in high precision).
         assert c.enable_fsdp_float8_all_gather is (recipe == "tensorwise")
 
+
+
+def _shapes_converted(flavor, recipe, min_size=None, n_layers=2):
+    from collections import Counter
+
+    from torchao.float8.float8_linear import Float8Linear
+
+    with torch.device("meta"):
+        model = Transformer(get_model_args(flavor, n_layers=n_layers), rope_len=64)
+    convert_float8(model, Float8Config(enable=True, recipe=recipe, min_size=min_size), fsdp=False)
+    return Counter(n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, Float8Linear))
+
+
+# Per block: wq wk wv wo w1 w3 w2. Sizes 2*in*out/(in+out): 1B wq/wo 2048, wk/wv 819, SwiGLU 3277;
+# 8B 4096, 1638, 6372. tensorwise keeps < 2048, the rowwise recipes < 3072.
+@pytest.mark.parametrize("flavor,recipe,expected", [
+    ("llama3.2_1b", "tensorwise", {"wq", "wo", "w1", "w3", "w2"}),
+    ("llama3.2_1b", "rowwise", {"w1", "w3", "w2"}),
+    ("llama3.2_1b", "rowwise_with_gw_hp", {"w1", "w3", "w2"}),
+    ("llama3.1_8b", "tensorwise", {"wq", "wo", "w1", "w3", "w2"}),
+    ("llama3.1_8b", "rowwise", {"wq", "wo", "w1", "w3", "w2"}),
+])
+def test_small_linears_stay_in_high_precision(flavor, recipe, expected):
+    got = _shapes_converted(flavor, recipe)
+    assert got == {name: 2 for name in expected}  # 2 blocks; the kv projections and `output` never
+    everything = _shapes_converted(flavor, recipe, min_size=0)  # the former behaviour: every block linear
+    assert everything == {name: 2 for name in ("wq", "wk", "wv", "wo", "w1", "w3", "w2")}
+
+
+def test_debug_model_is_below_every_bound_and_the_refusal_says_how():
+    with pytest.raises(ValueError, match=r"no linear layer was converted .*4 x 64->64 \(size < min_size 2048\).*"
+                                         r"lower float8.min_size \(0 converts every linear\)"):
+        _shapes_converted("debug", "tensorwise")
+
+
+def test_startup_line_counts_each_shape(caplog):
+    import logging
+
+    with caplog.at_level(logging.INFO, logger="trainlib"):
+        logging.getLogger("trainlib").propagate = True
+        try:
+            _shapes_converted("llama3.1_8b", "tensorwise")
+        finally:
+            logging.getLogger("trainlib").propagate = False
+    (line,) = [r.getMessage() for r in caplog.records if r.getMessage().startswith("float8")]
+    assert line == ("float8 tensorwise: 10 linears converted: 4 x 4096->4096, 4 x 4096->14336, 2 x 14336->4096; "
+                    "kept in high precision: 4 x 4096->1024 (size < min_size 2048), 1 x 4096->128256 (filter_fqns)")
+
+
+REFUSED = ["float8.enable=true", "compile.enable=true", "activation_checkpoint.mode=selective_op",
+           "activation_checkpoint.selective_op_policy=every_other_mm"]
+
+
+def _validate_float8_job(overrides):
+    from trainlib.config import load_job_config
+    from trainlib.config.validate import validate_job
+    from trainlib.parallel import ParallelDims
+
+    cfg = load_job_config(None, ["--parallelism.dp_shard=1", *(f"--{o}" for o in overrides)])
+    validate_job(cfg, ParallelDims(world_size=1, dp_shard=1), get_model_args("debug"), 256)
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_measured_nan_combination_is_refused_at_setup(recipe):
+    # Issue 11, one H100: rowwise + compile + selective_op every_other_mm gave grad norm 3287 (bf16: 41), then NaN.
+    from trainlib.config import ConfigError
+
+    with pytest.raises(ConfigError, match=rf"float8.recipe = '{recipe}' with compile.enable .*every_other_mm.*"
+                                          r"grad norm 3287 at step 1 against 41 in bf16.*selective_op_policy = 'all_mm'"):
+        _validate_float8_job([*REFUSED, f"float8.recipe={recipe}"])
+
+
+@pytest.mark.parametrize("change", ["float8.recipe=tensorwise", "compile.enable=false", "float8.enable=false",
+                                    "activation_checkpoint.selective_op_policy=all_mm",
+                                    "activation_checkpoint.mode=full"])
+def test_refusal_is_only_the_measured_combination(change):
+    _validate_float8_job([*REFUSED, "float8.recipe=rowwise", change])  # one key away: accepted

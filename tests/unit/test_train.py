@@ -71,6 +71,10 @@ def test_loss_is_token_weighted_global_mean():
     (["--parallelism.tp=2"], "world size 1 is not divisible"),
     (["--parallelism.tp=2", "--parallelism.dp_shard=1"], r"= 2 != world size 1"),
     (["--model.flavor=llama3.1_8"], "did you mean 'llama3.1_8b'"),
+    # FSDP's CPU offload where FSDP does not wrap the model would be silently ignored.
+    (["--parallelism.fsdp_cpu_offload=true"], r"fsdp_cpu_offload .* but this job has no FSDP: .*= 1 here"),
+    (["--parallelism.fsdp_cpu_offload=true", "--training.mixed_precision_param=bfloat16",
+      "--training.mixed_precision_impl=autocast"], "this job has no FSDP"),
 ])
 def test_setup_errors_are_config_errors(tmp_path, overrides, match):
     with pytest.raises(ConfigError, match=match):

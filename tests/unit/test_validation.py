@@ -3,6 +3,7 @@
 import math
 
 import pytest
+import torch
 import torch.nn.functional as F
 
 from trainlib.config import load_job_config
@@ -37,8 +38,10 @@ def test_validation_is_the_token_mean_loss_of_its_data_from_the_start_each_time(
         loader = build_dataloader(DataConfig(path=path), build_tokenizer(cfg.tokenizer), 64, 24)
         batch = next(loader)  # the 3 validation batches of 8 sequences, at once
         doc_ids = document_ids(batch["position_ids"]) if mask == "document" else None
-        expected = F.cross_entropy(model(batch["input"], doc_ids=doc_ids).flatten(0, 1), batch["labels"].flatten())
-        causal = F.cross_entropy(model(batch["input"]).flatten(0, 1), batch["labels"].flatten())
+        assert not model.output_in_forward  # loss.chunked (the default): the forward ends at the final norm
+        logits = model.output(model(batch["input"], doc_ids=doc_ids))
+        expected = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
+        causal = F.cross_entropy(model.output(model(batch["input"])).flatten(0, 1), batch["labels"].flatten())
     finally:
         job.gc_handler.close()
         job.metrics.close()
@@ -61,3 +64,20 @@ def test_validation_runs_every_interval_and_at_the_last_step_without_moving_the_
 def test_validation_keys_are_checked():
     with pytest.raises(ValueError, match="validation.interval must be >= 1, got 0"):
         ValidationConfig(interval=0)
+
+
+def test_validation_computes_in_bf16_where_training_uses_autocast(tmp_path):
+    # One rank with bfloat16 params trains under autocast over fp32 weights (training.mixed_precision_impl
+    # auto); validation must score the same bf16 computation, not the fp32 weights.
+    cfg = _cfg(tmp_path, "--validation.enable=true", "--training.mixed_precision_param=bfloat16")
+    job = setup(cfg, init_distributed(cfg.comm, cfg.job.device))
+    try:
+        assert job.autocast_dtype == torch.bfloat16
+        bf16 = job.validator.run()["val_loss"]
+        job.validator.autocast_dtype = None
+        fp32 = job.validator.run()["val_loss"]
+    finally:
+        job.gc_handler.close()
+        job.metrics.close()
+        destroy_distributed()
+    assert bf16 != fp32 and math.isclose(bf16, fp32, rel_tol=1e-2), (bf16, fp32)

@@ -16,6 +16,7 @@ from trainlib.errors import ConfigError
 from trainlib.metrics import MetricsConfig
 from trainlib.float8 import Float8Config
 from trainlib.guard import GuardConfig
+from trainlib.loss import LossConfig
 from trainlib.models.registry import MODELS, model_args
 from trainlib.optim import LRSchedulerConfig, OptimizerConfig
 from trainlib.parallel.ac import ActivationCheckpointConfig
@@ -62,6 +63,10 @@ class TrainingConfig(GuardConfig):
     max_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm; <= 0 disables clipping"})
     mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
     mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    mixed_precision_impl: Literal["auto", "fsdp", "autocast"] = field(default="auto", metadata={"help": (
+        "how a bfloat16 mixed_precision_param is applied: auto = torch.autocast over fp32 weights in a job of one "
+        "rank, FSDP's mixed-precision policy otherwise; fsdp = FSDP everywhere (also on one rank); "
+        "autocast = autocast (one rank only)")})
     gc_freq: int = field(default=50, metadata={"help": "Python's automatic garbage collection is off during "
                                                        "training and a collection runs every gc_freq steps; "
                                                        "0 = leave it automatic (docs/performance.md)"})
@@ -98,6 +103,7 @@ class JobConfig:
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_scheduler: LRSchedulerConfig = field(default_factory=LRSchedulerConfig)
     parallelism: ParallelismConfig = field(default_factory=ParallelismConfig)

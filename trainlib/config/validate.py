@@ -57,6 +57,8 @@ def validate_job(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs, toke
                               f"false; enable checkpoints or pick 'skip' or 'stop'")
     _validate_tp_pp(cfg, dims, model_args)
     _validate_cp(cfg, dims)
+    _validate_cpu_offload(cfg, dims)
+    _validate_float8(cfg)
     if cfg.model.attn_mask == "document":
         forward = get_model_spec(cfg.model.name).model_cls.forward
         if "doc_ids" not in inspect.signature(forward).parameters:
@@ -172,3 +174,30 @@ def _validate_cp(cfg: JobConfig, dims: ParallelDims) -> None:
             f"training.seq_len ({seq}) must be divisible by {layout} for context parallelism; "
             f"e.g. set training.seq_len to {max(1, seq // chunks) * chunks}"
         )
+
+
+def _validate_cpu_offload(cfg: JobConfig, dims: ParallelDims) -> None:
+    """fsdp_cpu_offload is FSDP's: refused where FSDP does not wrap the model (it would be ignored)."""
+    import torch
+
+    if not cfg.parallelism.fsdp_cpu_offload:
+        return
+    t = cfg.training
+    autocast = dims.autocast_dtype(t.param_dtype, t.mixed_precision_impl, cpu_offload=True)
+    if not dims.uses_fsdp(torch.float32 if autocast else t.param_dtype):
+        raise ConfigError(
+            f"parallelism.fsdp_cpu_offload moves FSDP's parameter shards, gradients and optimizer state to CPU "
+            f"memory, but this job has no FSDP: FSDP wraps the model when more than one rank holds distinct tokens "
+            f"(dp_replicate*dp_shard*cp = {dims.dp_replicate * dims.dp_shard * dims.cp} here) or, with "
+            f"training.mixed_precision_param = 'bfloat16', on one such rank (mixed_precision_impl 'auto' or "
+            f"'fsdp'; here {t.mixed_precision_param}, {t.mixed_precision_impl}); set fsdp_cpu_offload = false or "
+            f"use more data-parallel ranks")
+
+
+def _validate_float8(cfg: JobConfig) -> None:
+    from trainlib.float8 import refusal
+
+    ac = cfg.activation_checkpoint
+    why = cfg.float8.enable and refusal(cfg.float8.recipe, cfg.compile.enable, ac.mode, ac.selective_op_policy)
+    if why:
+        raise ConfigError(why)

@@ -9,9 +9,13 @@ from trainlib.params import canonical_name, init_param_
 
 
 @torch.no_grad()
-def init_model_weights(model: nn.Module, seed: int, device: torch.device | str) -> None:
+def init_model_weights(model: nn.Module, seed: int, device: torch.device | str,
+                       param_device: torch.device | str | None = None) -> None:
     """Allocate `model` on `device` and fill it so that every parallel layout
     holds the same values as a single-device `model.init_weights(seed)`.
+    `param_device`: where the parameters live if not on `device` ("cpu" under
+    FSDP CPU offload, which requires its shards there); values are still
+    drawn on `device`, and buffers live on `device`.
 
     Each rank generates a parameter's full value and keeps its own shard
     (`src_data_rank=None`: no communication). This costs one full parameter
@@ -19,8 +23,8 @@ def init_model_weights(model: nn.Module, seed: int, device: torch.device | str) 
     matrix in fp32, which is far below what the sharded training step needs.
     Values are reproducible per device type (CPU and CUDA generators differ).
     """
-    model.to_empty(device=device)
+    model.to_empty(device=param_device or device)
     model.init_buffers(device=device)
     for name, p in model.named_parameters():
         name = canonical_name(name)
-        init_param_(p, model.param_init_spec(name), seed, name)
+        init_param_(p, model.param_init_spec(name), seed, name, device=device)

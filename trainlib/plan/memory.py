@@ -53,7 +53,7 @@ def block_activation_bytes_per_token(args, *, tp: int, sp: bool, elem: int, mode
       attention       q, k, v after RoPE, the SDPA output (also wo's input), fp32 logsumexp per head
       SwiGLU          w1 out, silu out, w3 out, their product
     `full` keeps the block input only; `selective_op` keeps the block input
-    plus the matmul outputs (all, or wk/wo/w3 for every_other_mm), the SDPA
+    plus the matmul outputs (all, or wq/wv/w1/w2 for every_other_mm), the SDPA
     outputs and, under SP, the reduce-scatter outputs."""
     d, f, hd = args.dim, args.ffn_dim, args.head_dim
     dq, dkv = args.n_heads * hd / tp, args.n_kv_heads * hd / tp
@@ -65,7 +65,7 @@ def block_activation_bytes_per_token(args, *, tp: int, sp: bool, elem: int, mode
     if mode == "selective_op":
         mm = [dq, dkv, dkv, d, f / tp, f / tp, d]  # wq wk wv wo w1 w3 w2 outputs (wo/w2: partial sums, whole seq)
         if policy == "every_other_mm":
-            mm = [dkv, d, f / tp]
+            mm = [dq, dkv, f / tp, d]  # wq wv w1 w2
         rs = 2 * elem * d / ts if (sp and tp > 1) else 0
         return block_in + elem * sum(mm) + sdpa + rs
     norms = 2 * (8 * d + 4) / ts
@@ -124,6 +124,7 @@ class StepShape:
     fsdp: bool  # FSDP wraps the model (read from the build)
     reshard: bool  # FSDP reshards blocks after forward
     block_params: int  # parameters of one block, unsharded
+    loss_chunk_tokens: int | None = None  # loss.chunk_tokens under loss.chunked, else None (whole logits)
 
 
 def activation_bytes(s: StepShape, ac, pp_rank: int, layers: list[int], has_emb: bool,
@@ -144,14 +145,21 @@ def activation_bytes(s: StepShape, ac, pp_rank: int, layers: list[int], has_emb:
 
 
 def logits_loss_bytes(s: StepShape, has_out: bool) -> float:
-    """Logits and loss of one micro-batch at the start of its backward: fp32
-    log-probs (saved), their fp32 gradient and the fp32 logits gradient;
-    GPipe-like schedules keep every micro-batch's log-probs."""
+    """Whole logits: the loss of one micro-batch at the start of its backward,
+    fp32 log-probs (saved), their fp32 gradient and the fp32 logits gradient;
+    GPipe-like schedules keep every micro-batch's log-probs.
+    Chunked (trainlib.loss): the same 12 bytes per element for one chunk of
+    tokens, plus the output weight's gradient (compute dtype, vocab / tp rows)
+    that the loss's forward computes and its backward hands over, held per
+    micro-batch whose backward has not run (all of them under GPipe)."""
     if not has_out:
         return 0.0
     vocab_local = s.args.vocab_size / (s.tp if s.loss_parallel else 1)
-    n_logits = s.n_microbatches if s.schedule in ("GPipe", "LoopedBFS") and s.pp > 1 else 1
-    return (4 * (n_logits - 1) + 12) * s.mb_tokens * vocab_local
+    n_held = s.n_microbatches if s.schedule in ("GPipe", "LoopedBFS") and s.pp > 1 else 1
+    if s.loss_chunk_tokens is not None:
+        vocab_w = s.args.vocab_size / s.tp  # the weight is vocab-sharded under TP, loss parallel or not
+        return 12 * min(s.loss_chunk_tokens, s.mb_tokens) * vocab_local + n_held * s.elem * vocab_w * s.args.dim
+    return (4 * (n_held - 1) + 12) * s.mb_tokens * vocab_local
 
 
 def fsdp_unsharded_bytes(s: StepShape, n_layers: int, has_emb: bool, has_out: bool) -> float:

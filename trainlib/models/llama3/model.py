@@ -257,6 +257,10 @@ class Transformer(nn.Module):
         self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
+        # False: forward returns the final norm's hidden states and the loss
+        # applies `self.output` itself, chunk by chunk (trainlib.loss), so the
+        # whole [tokens, vocab] logits never exist.
+        self.output_in_forward = True
         # Non-persistent: derived from args, so it stays out of checkpoints and
         # is rebuilt by `init_buffers` after the meta-device build.
         self.rope_len = rope_len or args.max_seq_len
@@ -269,7 +273,8 @@ class Transformer(nn.Module):
         default 0..s-1. doc_ids: optional [b, S] document index of every
         position of the whole window (S = s unless the sequence is split
         across ranks); when given, attention is document-causal. Returns
-        logits [b, s, vocab] (or hidden states on a non-last pipeline stage)."""
+        logits [b, s, vocab] (or hidden states on a non-last pipeline stage,
+        or when `output_in_forward` is False)."""
         h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
         # built once per forward, shared by every block
         mask = self.attention_mask(doc_ids, h.dtype) if doc_ids is not None else None
@@ -280,7 +285,7 @@ class Transformer(nn.Module):
         for layer in self.layers.values():
             h = layer(h, rope, mask)
         h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None else h
+        return self.output(h) if self.output is not None and self.output_in_forward else h
 
     def attention_mask(self, doc_ids: torch.Tensor, dtype: torch.dtype,
                        q_positions: torch.Tensor | None = None) -> torch.Tensor | BlockMask:
