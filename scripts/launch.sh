@@ -12,7 +12,13 @@
 #   RDZV_ID         job id shared by the nodes (default: SLURM_JOB_ID, else "trainlib")
 #   MAX_RESTARTS    torchrun restarts after a worker failure (default 0); the job resumes
 #                   from its latest complete checkpoint
+#   SHUTDOWN_TIMEOUT  seconds torchrun gives its workers after forwarding SIGTERM/SIGUSR1
+#                   (preemption: finish the step, one more, save) before SIGKILL (default 180)
 # Ranks are assigned by the rendezvous, so nodes need no NODE_RANK.
+#
+# Preemption: torchrun handles SIGUSR1 too (SLURM's --signal; torchrun's default list
+# lacks it, and an unhandled SIGUSR1 kills torchrun at once, leaving its workers
+# running), forwards it to the workers, which save and exit with code 75.
 set -euo pipefail
 
 NNODES=${NNODES:-1}
@@ -22,12 +28,13 @@ fi
 MASTER_PORT=${MASTER_PORT:-29500}
 RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-trainlib}}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
+SIGNALS=(--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout="${SHUTDOWN_TIMEOUT:-180}")
 # One OpenMP thread per rank unless asked otherwise: ranks share the node's cores.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
 if [ "$NNODES" -eq 1 ]; then
   exec python -m torch.distributed.run --standalone --nproc-per-node="$NPROC_PER_NODE" \
-    --max-restarts="$MAX_RESTARTS" -m trainlib.train "$@"
+    --max-restarts="$MAX_RESTARTS" "${SIGNALS[@]}" -m trainlib.train "$@"
 fi
 if [ -z "${MASTER_ADDR:-}" ]; then
   echo "launch.sh: NNODES=$NNODES needs MASTER_ADDR (a host every node can reach, e.g. the first node)" >&2
@@ -35,4 +42,4 @@ if [ -z "${MASTER_ADDR:-}" ]; then
 fi
 exec python -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
   --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$RDZV_ID" \
-  --max-restarts="$MAX_RESTARTS" -m trainlib.train "$@"
+  --max-restarts="$MAX_RESTARTS" "${SIGNALS[@]}" -m trainlib.train "$@"

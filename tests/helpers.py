@@ -26,7 +26,7 @@ FAULTS = REPO / "tests" / "faults"
 
 def fault_env(marker_dir, *faults: str) -> dict:
     """Environment that makes a subprocess run inject `faults` (specs
-    "POINT:STEP[:RANK[:SIGNAL]]", see tests/faults/sitecustomize.py), each once
+    "POINT:STEP[:RANK[:ACTION]]", see tests/faults/sitecustomize.py), each once
     over all launches sharing `marker_dir`."""
     Path(marker_dir).mkdir(parents=True, exist_ok=True)
     return {"TRAINLIB_FAULTS": ",".join(faults), "TRAINLIB_FAULT_DIR": str(marker_dir),

@@ -6,6 +6,7 @@ import logging
 import os
 from dataclasses import dataclass
 from datetime import timedelta
+from pathlib import Path
 from typing import Literal
 
 import torch
@@ -50,10 +51,11 @@ def resolve_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
-def init_distributed(cfg: CommConfig, device: str = "auto") -> DistInfo:
+def init_distributed(cfg: CommConfig, device: str = "auto", dump_dir: str | os.PathLike | None = None) -> DistInfo:
     """Initialise the default process group. Without torchrun's environment,
     a world of one with an in-process store: every code path (meshes, DTensor,
-    collectives) is then the same as in a real multi-rank job."""
+    collectives) is then the same as in a real multi-rank job. Under NCCL,
+    `dump_dir` receives the flight recorder's dump when a collective times out."""
     launched = "RANK" in os.environ and "WORLD_SIZE" in os.environ
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
@@ -68,6 +70,8 @@ def init_distributed(cfg: CommConfig, device: str = "auto") -> DistInfo:
     kwargs = dict(backend=backend, timeout=timeout)
     if backend == "nccl":
         kwargs["device_id"] = dev
+        if dump_dir is not None:
+            _nccl_flight_recorder(Path(dump_dir))
     if launched:
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
         dist.init_process_group(store=_incarnation_store(store, world_size), rank=rank, world_size=world_size,
@@ -75,6 +79,18 @@ def init_distributed(cfg: CommConfig, device: str = "auto") -> DistInfo:
     else:
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     return DistInfo(rank, local_rank, world_size, dev)
+
+
+def _nccl_flight_recorder(folder: Path) -> None:
+    """NCCL's flight recorder (the last collectives of each group, with their
+    state) dumped to `folder/nccl_trace_rank_<rank>` when a collective times
+    out. Read by ProcessGroupNCCL when it is created, hence set here; a value
+    the user set wins. (trainlib's own watchdog, which acts first, dumps the
+    recorder itself: `trainlib.resilience`.)"""
+    folder.mkdir(parents=True, exist_ok=True)
+    os.environ.setdefault("TORCH_NCCL_TRACE_BUFFER_SIZE", "2000")
+    os.environ.setdefault("TORCH_NCCL_DUMP_ON_TIMEOUT", "1")
+    os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(folder / "nccl_trace_rank_"))
 
 
 def _incarnation_store(store: dist.Store, world_size: int) -> dist.Store:

@@ -1,7 +1,7 @@
 """How a run ends when it does not finish: the error types and the exit codes.
 
     0  the run finished
-    1  an internal error: any exception that is not one of the two below. Its
+    1  an internal error: any exception that is not one of the kinds below. Its
        traceback is kept (`report_crash`): written to
        `<job.dump_folder>/errors/rank<R>.txt` by every failing rank, printed
        with a `[rank R]` prefix by the first failing rank of each node; later
@@ -13,6 +13,14 @@
        guard's `stop` policy or its spent budget, or a checkpoint refused
        because it holds non-finite values. One line, `trainlib: stopped: ...`,
        per node
+   75  preempted (`Preempted`): SIGTERM or SIGUSR1 reached a rank; every rank
+       finished the same step and saved its checkpoint synchronously. One
+       line, `trainlib: preempted: ...`, per node; launch the same command
+       again to continue (sysexits.h EX_TEMPFAIL, "try again later")
+  124  hung (`trainlib.resilience`'s watchdog): a step took longer than the
+       watchdog's limit; every rank wrote its stacks into `<run>/hang/`, and
+       one line names the rank that did not arrive and the collective
+       (as timeout(1) exits when its command timed out)
 
 Under torchrun the job's own exit status is torchrun's (1 whenever a worker
 failed); its failure summary lists each worker's code.
@@ -31,7 +39,7 @@ import time
 import traceback
 from pathlib import Path
 
-EXIT_INTERNAL, EXIT_USER, EXIT_STOPPED = 1, 2, 3
+EXIT_INTERNAL, EXIT_USER, EXIT_STOPPED, EXIT_PREEMPTED, EXIT_HUNG = 1, 2, 3, 75, 124
 
 
 class ConfigError(ValueError):
@@ -44,6 +52,15 @@ class ConfigError(ValueError):
 
 class TrainingStopped(RuntimeError):
     """The run stops on purpose, the same way on every rank (exit code 3)."""
+
+
+class Preempted(Exception):
+    """Raised on every rank once the preemption checkpoint of `step` is complete (exit code 75)."""
+
+    def __init__(self, step: int):
+        super().__init__(f"SIGTERM or SIGUSR1: stopped after step {step}, its checkpoint is saved; launch the same "
+                         f"command again to continue")
+        self.step = step
 
 
 def _rank() -> int:

@@ -29,7 +29,8 @@ from trainlib.config import ConfigError, JobConfig, config_to_dict, load_job_con
 from trainlib.config.validate import resolve_local_batch_size, validate_job, validate_machine
 from trainlib.data import DataLoader, build_dataloader, build_tokenizer, document_ids
 from trainlib.distributed import DistInfo, destroy_distributed, init_distributed, set_collective_timeout
-from trainlib.errors import EXIT_INTERNAL, EXIT_STOPPED, EXIT_USER, TrainingStopped, print_once_per_node, report_crash
+from trainlib.errors import (EXIT_INTERNAL, EXIT_PREEMPTED, EXIT_STOPPED, EXIT_USER, Preempted, TrainingStopped,
+                             print_once_per_node, report_crash)
 from trainlib.float8 import float8_post_optimizer_step
 from trainlib.guard import Guard
 from trainlib.loss import count_targets, cross_entropy_sum
@@ -41,6 +42,7 @@ from trainlib.parallel.pp import Pipeline
 from trainlib.parallel.tp import loss_context
 from trainlib.parallel.cp import shard_batch
 from trainlib.profiling import GarbageCollection, Profiler
+from trainlib.resilience import StepMonitor
 from trainlib.validation import Validator, build_validator
 
 logger = logging.getLogger("trainlib")
@@ -68,6 +70,7 @@ class Job:
     profiler: Profiler | None = None
     gc_handler: GarbageCollection | None = None
     autocast_dtype: torch.dtype | None = None  # bf16 on one rank (build.ModelParts.autocast_dtype)
+    monitor: StepMonitor | None = None  # preemption, hang watchdog, step-time spread
 
 
 def setup(cfg: JobConfig, info: DistInfo) -> Job:
@@ -120,10 +123,11 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
         f"run dir {run_dir}"
     )
     logger.info(describe_choices(cfg, built, implementation_of(optimizer)))
+    monitor = StepMonitor(cfg.watchdog, cfg.comm.train_timeout_seconds, run_dir)
     return Job(cfg, info, dims, built.parts, optimizer, scheduler, loader, metrics, grad_accum, run_dir,
                built.pipeline, built.loss_fn, checkpointer, start_step, guard, validator, profiler,
-               GarbageCollection(t.gc_freq),  # last: it freezes what setup built
-               autocast_dtype=built.autocast_dtype)
+               GarbageCollection(t.gc_freq),  # the last built: it freezes what setup built
+               autocast_dtype=built.autocast_dtype, monitor=monitor)
 
 
 def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tensor) -> torch.Tensor:
@@ -172,6 +176,7 @@ def train_loop(job: Job) -> list[dict]:
     while step < t.steps:
         step += 1
         job.gc_handler.run(step)
+        job.monitor.start_step(step)
         micro_batches = [next(job.loader) for _ in range(job.grad_accum)]
         # The loss is a mean over every target token of the global batch, so
         # count them across data-parallel ranks before any backward.
@@ -186,14 +191,16 @@ def train_loop(job: Job) -> list[dict]:
         job.scheduler.step()
         job.optimizer.zero_grad(set_to_none=True)
         job.metrics.step_done(tokens_per_step)
+        preempted = job.monitor.end_step()  # the same on every rank; what follows is not watched for hangs
         if step == job.start_step + 1:  # past compilation and first-time allocations
             set_collective_timeout(cfg.comm.train_timeout_seconds)
 
         with job.metrics.untimed():  # not training throughput
             val = job.validator.maybe_run(step, t.steps)
         log = bool(val) or job.metrics.should_log(step, t.steps)
-        if log or job.guard.event_known or job.checkpointer.due(step, t.steps):  # never save unjudged steps
-            logged, rolled_back_to = job.guard.settle(step, log, job.metrics, job.checkpointer, at_step=val,
+        if log or preempted or job.guard.event_known or job.checkpointer.due(step, t.steps):  # never save unjudged steps
+            at_step = {**(val or {}), **(job.monitor.spread() if log else {})}  # + slowest/fastest rank's step time
+            logged, rolled_back_to = job.guard.settle(step, log, job.metrics, job.checkpointer, at_step=at_step,
                                                       tokens_seen_per_dataset=job.loader.tokens_seen_per_dataset())
             records += logged
             if rolled_back_to is not None:
@@ -201,6 +208,9 @@ def train_loop(job: Job) -> list[dict]:
                 continue
         job.checkpointer.maybe_save(step, t.steps)
         job.profiler.step(step)
+        if preempted:  # SIGTERM/SIGUSR1 reached a rank: every rank stops after this step, with its checkpoint
+            job.checkpointer.save_now()
+            raise Preempted(step)
     job.checkpointer.close()
     if cfg.checkpoint.export_hf:
         job.checkpointer.export_hf(job.run_dir / "hf")
@@ -212,9 +222,10 @@ def train_loop(job: Job) -> list[dict]:
 def train(cfg: JobConfig) -> list[dict]:
     """Run a whole job; returns the logged metric records (rank 0's view).
     Raises ConfigError for bad input (before training, or when the data turns
-    out bad), TrainingStopped when the guard stops the run; any other exception
-    is a bug or a failure of the machine and propagates as it is."""
-    info = init_distributed(cfg.comm, cfg.job.device)
+    out bad), TrainingStopped when the guard stops the run, Preempted after a
+    SIGTERM/SIGUSR1 stop's checkpoint; any other exception is a bug or a
+    failure of the machine and propagates as it is."""
+    info = init_distributed(cfg.comm, cfg.job.device, dump_dir=Path(cfg.job.dump_folder) / "hang")
     setup_logging(info.rank)
     if cfg.job.description:  # also in the run folder's config.toml
         logger.info(f"job: {cfg.job.description}")
@@ -229,6 +240,7 @@ def train(cfg: JobConfig) -> list[dict]:
             job.checkpointer.close()  # a save of an earlier step may be in flight: let it commit
             raise
         finally:
+            job.monitor.close()
             job.gc_handler.close()
             job.profiler.close()
             job.metrics.close()
@@ -274,6 +286,9 @@ def main(argv: list[str] | None = None) -> int:
     except TrainingStopped as e:  # a verdict every rank reached alike
         print_once_per_node(f"trainlib: stopped: {e}")
         return EXIT_STOPPED
+    except Preempted as e:  # every rank saved the same step
+        print_once_per_node(f"trainlib: preempted: {e}")
+        return EXIT_PREEMPTED
     except Exception as e:  # not a message: the traceback, kept whole, once per node (trainlib.errors)
         report_crash(e, run_dir)
         return EXIT_INTERNAL

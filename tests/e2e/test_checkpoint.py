@@ -1,21 +1,27 @@
-"""Checkpoints: exact resume, crash during save, reshard on load, async saves.
+"""Checkpoints and what they answer: exact resume, crash during save, reshard
+on load, async saves, kills at random points, preemption, damaged and
+unwritable checkpoints, a hung rank.
 
 Interruptions are real: tests/faults/sitecustomize.py, loaded into the run's
-processes from outside (`tests.helpers.fault_env`), SIGKILLs a rank at a chosen
-point of a chosen step; then the same command is launched again (or torchrun
-restarts the workers) and must continue from the last complete checkpoint.
+processes from outside (`tests.helpers.fault_env`), SIGKILLs (or signals, or
+hangs, or fills the disk of) a rank at a chosen point of a chosen step; then
+the same command is launched again (or torchrun restarts the workers) and must
+continue from the last complete checkpoint, on the uninterrupted curve.
 """
 
 import json
 import os
+import random
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tests.helpers import REPO, fault_env, run_cli
 from trainlib.checkpoint import complete_steps, incomplete_folders
+from trainlib.errors import EXIT_HUNG, EXIT_PREEMPTED
 
 STEPS = 8
 
@@ -32,17 +38,21 @@ def _layout_args(layout: dict) -> tuple[int, list[str]]:
     return nproc, [f"--parallelism.{k}={v}" for k, v in degrees.items()]
 
 
-def _run(folder: Path, layout: dict, extra=(), fault: str | None = None):
-    """One launch; with `fault` ("POINT:STEP[:RANK]") it must die from that fault."""
+def _run(folder: Path, layout: dict, extra=(), fault: str | None = None, markers: str = "faults", rc: int = 0):
+    """One launch, which must exit with `rc`; with `fault`
+    ("POINT:STEP[:RANK[:ACTION]]", default KILL) it must die from that fault
+    (or exit with `rc` when it is not 0)."""
     nproc, lay = _layout_args(layout)
-    env = fault_env(folder.parent / "faults", fault) if fault else None
+    env = fault_env(folder.parent / markers, fault) if fault else None
     proc = run_cli([*BASE, f"--job.dump_folder={folder}", *lay, *extra], nproc=nproc, timeout=600, env=env)
+    out = (proc.stdout + proc.stderr)[-4000:]
     if fault:
-        point, step, rank = (fault.split(":") + ["0"])[:3]
-        assert proc.returncode != 0, (proc.stdout + proc.stderr)[-4000:]
-        assert f"[fault injection] SIGKILL rank {rank} at {point} of step {step}" in proc.stderr
+        point, step, rank, action = (fault.split(":") + ["0", "KILL"][len(fault.split(":")) - 2:])[:4]
+        action = action if action in ("ENOSPC", "HANG") else "SIG" + action
+        assert proc.returncode != 0 if not rc else proc.returncode == rc, out
+        assert f"[fault injection] {action} rank {rank} at {point} of step {step}" in proc.stderr, out
     else:
-        assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+        assert proc.returncode == rc, out
     return proc
 
 
@@ -69,11 +79,11 @@ def straight(tmp_path_factory):
     cache = {}
     root = tmp_path_factory.mktemp("straight")
 
-    def get(layout: dict) -> list[float]:
-        key = tuple(sorted(layout.items()))
+    def get(layout: dict, extra=()) -> list[float]:
+        key = (tuple(sorted(layout.items())), tuple(extra))
         if key not in cache:
-            folder = root / ("_".join(f"{k}{v}" for k, v in key) or "single")
-            _run(folder, layout)
+            folder = root / f"run{len(cache)}"
+            _run(folder, layout, extra)
             cache[key] = _losses(folder)
         return cache[key]
 
@@ -229,3 +239,168 @@ def test_two_agents_c10d_rendezvous_with_restart(tmp_path, straight):
     assert sum("[fault injection] SIGKILL rank 0" in out for _, out in outs) == 1
     assert any("resumed from" in out for _, out in outs)
     assert _curve(folder) == straight(layout)
+
+
+# ----------------------------------------------------------------- kills at random points
+
+
+def _next_kill(rng: random.Random, i: int, latest: int, last_step: int, interval: int) -> tuple[str, str]:
+    """(async_mode, fault) of the i-th killed launch, which resumes after step
+    `latest`: the first kill is during a synchronous save, the second during
+    an asynchronous one, the others anywhere; always at a step the launch
+    reaches, on a random rank (rank 0 before a commit)."""
+    if i == 0:
+        mode, point = "disabled", "mid_write"
+    elif i == 1:
+        mode, point = "async", rng.choice(["mid_write", "async_in_flight"])
+    else:
+        mode = rng.choice(["disabled", "async"])
+        point = rng.choice(["after_update", "after_step", "mid_write", "before_commit"]
+                           + (["async_in_flight"] if mode == "async" else []))
+    steps = {"after_update": range(latest + 1, last_step + 1), "after_step": range(latest + 1, last_step)}.get(
+        point, range(latest + interval, last_step + 1, interval))  # save points: the saves still to come
+    # before_commit kills the committing rank: on rank 1 (whose commit is empty) rank 0 may commit first.
+    return mode, f"{point}:{rng.choice(steps)}:{0 if point == 'before_commit' else rng.randrange(2)}"
+
+
+def _random_kills(tmp_path, straight, kills: int, steps: int) -> None:
+    """SIGKILL a random rank at `kills` random points (sync and async saves
+    included), relaunching after each: each launch resumes from the latest
+    complete checkpoint, a save that was killed never counts, and the final
+    curve is the uninterrupted one. Retention keys are on throughout."""
+    seed = int(os.environ.get("TRAINLIB_KILL_SEED", random.randrange(2**32)))
+    print(f"kill seed {seed} (rerun with TRAINLIB_KILL_SEED={seed})")
+    rng, layout, folder, done = random.Random(seed), {"dp_shard": 2}, tmp_path / "run", []
+    extra = [f"--training.steps={steps}", "--checkpoint.keep_latest_k=2", "--checkpoint.keep_every=4"]
+    for i in range(kills):
+        before = complete_steps(folder / "checkpoint")
+        mode, fault = _next_kill(rng, i, before[-1] if before else 0, steps, interval=2)
+        done.append((mode, fault))
+        proc = _run(folder, layout, [*extra, f"--checkpoint.async_mode={mode}"], fault=fault, markers=f"faults{i}")
+        if before:
+            assert f"step-{before[-1]} (step {before[-1]}" in proc.stdout, (seed, done)  # the latest complete one
+        point, step = fault.split(":")[:2]
+        if point in ("mid_write", "before_commit", "async_in_flight"):  # that save never completed
+            assert int(step) not in complete_steps(folder / "checkpoint"), (seed, done)
+    _run(folder, layout, extra)
+    assert _curve(folder) == straight(layout, [] if steps == STEPS else [f"--training.steps={steps}"]), (seed, done)
+    kept = sorted(set(range(4, steps + 1, 4)) | {steps - 2, steps})  # keep_every=4, keep_latest_k=2
+    assert complete_steps(folder / "checkpoint") == kept, (seed, done)
+
+
+def test_kills_at_random_points_resume_on_the_same_curve(tmp_path, straight):
+    _random_kills(tmp_path, straight, kills=2, steps=STEPS)
+
+
+@pytest.mark.slow
+def test_ten_kills_at_random_points_resume_on_the_same_curve(tmp_path, straight):
+    _random_kills(tmp_path, straight, kills=10, steps=16)
+
+
+# ----------------------------------------------------------------- preemption
+
+
+def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_with_a_checkpoint(tmp_path, straight):
+    """SIGTERM reaches rank 1 only, after step 3's update: both ranks finish
+    step 4 (the flag is agreed on at every step's end), save step 4 (not a
+    save step of the interval) and exit with 75; the relaunch continues it."""
+    layout, folder = {"dp_shard": 2}, tmp_path / "run"
+    extra = ["--checkpoint.interval=3"]
+    proc = _run(folder, layout, extra, fault="after_update:3:1:TERM")
+    assert proc.stderr.count(f"exitcode  : {EXIT_PREEMPTED}") >= 1, proc.stderr[-3000:]
+    assert proc.stderr.count("trainlib: preempted: SIGTERM or SIGUSR1: stopped after step 4, its checkpoint is saved") == 1
+    assert complete_steps(folder / "checkpoint") == [3, 4] and _steps(folder) == [1, 2, 3, 4]
+    for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()):  # per-rank step-time spread
+        assert r["step_time_max_s"] >= r["step_time_min_s"] > 0 and r["step_time_max_rank"] in (0, 1), r
+        assert r["step_time_min_rank"] == 1 - r["step_time_max_rank"] or r["step_time_max_s"] == r["step_time_min_s"], r
+    proc = _run(folder, layout, extra)
+    assert "step-4 (step 4" in proc.stdout
+    assert _curve(folder) == straight(layout)
+
+
+def test_sigusr1_saves_and_exits_75_then_the_relaunch_continues(tmp_path, straight):
+    folder = tmp_path / "run"
+    extra = ["--checkpoint.interval=4"]
+    _run(folder, {}, extra, fault="after_step:5:0:USR1", rc=EXIT_PREEMPTED)
+    assert complete_steps(folder / "checkpoint") == [4, 6] and _steps(folder)[-1] == 6
+    proc = _run(folder, {}, extra)
+    assert "step-6 (step 6" in proc.stdout
+    assert _curve(folder) == straight({})
+
+
+# ----------------------------------------------------------------- damaged and unwritable checkpoints
+
+
+def test_truncated_and_missing_files_fall_back_to_the_previous_checkpoint(tmp_path, straight):
+    """The latest checkpoint has a truncated shard, the one before a missing
+    shard: both are moved aside with one line each, the run resumes from the
+    third and continues on the uninterrupted curve."""
+    folder = tmp_path / "run"
+    _run(folder, {})
+    ck = folder / "checkpoint"
+    shard8, shard6 = ck / "step-8" / "__0_0.distcp", ck / "step-6" / "__0_0.distcp"
+    os.truncate(shard8, shard8.stat().st_size - 100)
+    shard6.unlink()
+    proc = _run(folder, {})
+    warnings = [x for x in proc.stdout.splitlines() if "skipping damaged checkpoint" in x]
+    assert len(warnings) == 2, proc.stdout
+    assert "__0_0.distcp has" in warnings[0] and "step-8.corrupt" in warnings[0]
+    assert "__0_0.distcp is missing" in warnings[1] and "step-6.corrupt" in warnings[1]
+    assert "step-4 (step 4" in proc.stdout
+    assert (ck / "step-8.corrupt").is_dir() and complete_steps(ck) == [2, 4, 6, 8]
+    assert _curve(folder) == straight({})
+
+
+@pytest.mark.parametrize("mode", ["disabled", pytest.param("async", marks=pytest.mark.slow)])
+def test_full_disk_during_a_save_keeps_the_previous_checkpoint_and_trains_on(tmp_path, straight, mode):
+    """The writer raises ENOSPC in step 6's save: one line, step 4 stays the
+    latest, training goes on (step 7 runs); killed after step 7, the relaunch
+    resumes from step 4 on the same curve."""
+    folder = tmp_path / "run"
+    extra = [f"--checkpoint.async_mode={mode}"]
+    # An async save's failure shows when it is collected: at the latest when step 8's save starts.
+    kill = "after_step:7:0" if mode == "disabled" else "async_in_flight:8:0"
+    env = fault_env(tmp_path / "faults", "mid_write:6:0:ENOSPC", kill)
+    proc = run_cli([*BASE, f"--job.dump_folder={folder}", *extra], env=env)
+    assert proc.returncode != 0 and "[fault injection] ENOSPC rank 0 at mid_write of step 6" in proc.stderr
+    assert f"[fault injection] SIGKILL rank 0 at {kill.rsplit(':', 1)[0].replace(':', ' of step ')}" in proc.stderr
+    (line,) = [x for x in proc.stdout.splitlines() if "not saved" in x]
+    assert "checkpoint step 6 not saved: no space left on device" in line and "step 4 stays the latest" in line
+    assert complete_steps(folder / "checkpoint") == [2, 4] and "step-6.tmp" not in os.listdir(folder / "checkpoint")
+    assert _steps(folder)[-1] >= 7
+    _run(folder, {}, extra)
+    assert _curve(folder) == straight({})
+
+
+# ----------------------------------------------------------------- hang watchdog
+
+
+def test_a_hung_rank_is_named_with_stacks_of_every_rank_before_the_collective_timeout(tmp_path, straight):
+    """Rank 1 sleeps forever after step 5's update; rank 0 waits in step 6's
+    first all-reduce. Within the watchdog's limit (3 s here, the collective
+    timeout 120 s) every rank writes its stacks and flight recorder, and one
+    line names rank 1 and the collective rank 0 waits in."""
+    layout, folder = {"dp_shard": 2}, tmp_path / "run"
+    _, lay = _layout_args(layout)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m", "trainlib.train",
+           *BASE, f"--job.dump_folder={folder}", *lay, "--watchdog.min_seconds=3", "--comm.train_timeout_seconds=120"]
+    env = dict(os.environ, OMP_NUM_THREADS="1", **fault_env(tmp_path / "faults", "after_update:5:1:HANG"))
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    hung_at, lines = None, []
+    for line in proc.stdout:
+        lines.append(line)
+        if "[fault injection] HANG rank 1 at after_update of step 5" in line:
+            hung_at = time.monotonic()
+    proc.wait(timeout=60)
+    out = "".join(lines)
+    assert hung_at is not None and time.monotonic() - hung_at < 60, out[-3000:]  # half the collective timeout
+    assert f"exitcode  : {EXIT_HUNG}" in out, out[-3000:]
+    (verdict,) = [x for x in lines if x.startswith("trainlib: hang")]
+    assert verdict.startswith("trainlib: hang at step 6: rank 1 did not arrive at gloo:all_reduce #"), verdict
+    assert "which rank 0 entered" in verdict and "train.py" in verdict and "rank 1 is at step 5" in verdict
+    hang = folder / "hang"
+    for rank in (0, 1):
+        stacks = (hang / f"stacks_rank{rank}.txt").read_text()
+        assert "in train_loop" in stacks and "in _report_and_exit" in stacks  # the main thread and the watchdog's
+        assert json.loads((hang / f"flight_recorder_rank{rank}.json").read_text())
+    assert _losses(folder) == straight(layout)[:5]

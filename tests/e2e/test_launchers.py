@@ -1,31 +1,46 @@
 """The multi-node launch path: two torchrun agents on localhost forming one job,
-directly (scripts/launch.sh) and as SLURM runs scripts/slurm.sbatch."""
+directly (scripts/launch.sh) and as SLURM runs scripts/slurm.sbatch (preempted
+and requeued included)."""
 
 import json
 import os
 import shutil
+import signal
 import socket
 import subprocess
+import time
 
-from tests.helpers import RECIPES, REPO
+from tests.helpers import RECIPES, REPO, run_cli
+from trainlib.checkpoint import complete_steps
 
 SBATCH = REPO / "scripts" / "slurm.sbatch"
 
 # Stand-ins for SLURM's tools: srun starts its command once per node of the
-# allocation, all on this machine, as `srun --ntasks-per-node=1` would; scontrol
-# expands the node list to hosts, here every "node" is localhost.
+# allocation, all on this machine, as `srun --ntasks-per-node=1` would, and
+# forwards SIGUSR1/SIGTERM to those tasks as srun does; scontrol expands the
+# node list to hosts (here every "node" is localhost) and logs a requeue.
 SRUN = """#!/usr/bin/env bash
 while [[ "$1" == --* ]]; do shift; done
 pids=()
+trap 'woke=1; kill -USR1 "${pids[@]}" 2>/dev/null' USR1
+trap 'woke=1; kill -TERM "${pids[@]}" 2>/dev/null' TERM
 for ((node = 0; node < SLURM_JOB_NUM_NODES; node++)); do
   SLURM_NODEID=$node SLURM_PROCID=$node SLURM_LOCALID=0 "$@" &
   pids+=($!)
 done
 rc=0
-for pid in "${pids[@]}"; do wait "$pid" || rc=$?; done
+for pid in "${pids[@]}"; do
+  while :; do
+    woke=0
+    wait "$pid" && status=0 || status=$?
+    [ "$woke" = 1 ] || break
+  done
+  [ "$status" = 0 ] || rc=$status
+done
 exit $rc
 """
 SCONTROL = """#!/usr/bin/env bash
+if [ "$1" = requeue ]; then echo "requeue $2" >> "$SCONTROL_LOG"; exit 0; fi
 [ "$1 $2" = "show hostnames" ] || exit 1
 for ((node = 0; node < SLURM_JOB_NUM_NODES; node++)); do echo 127.0.0.1; done
 """
@@ -63,36 +78,67 @@ def test_multi_node_needs_master_addr():
     assert proc.returncode == 2 and "needs MASTER_ADDR" in proc.stderr
 
 
-def _slurm_job(tmp_path, submit_dir, args, **env):
+def _slurm_job(tmp_path, submit_dir, args, popen=False, **env):
     """Run slurm.sbatch the way slurmd does: a copy in a spool folder, run from
     the submit directory with the job's SLURM_* variables, srun on PATH."""
     spool = tmp_path / "spool" / "job4242"
-    spool.mkdir(parents=True)
+    spool.mkdir(parents=True, exist_ok=True)
     shutil.copy(SBATCH, spool / "slurm_script")
     bin_dir = tmp_path / "bin"
-    bin_dir.mkdir()
+    bin_dir.mkdir(exist_ok=True)
     for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
     env = _clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID=4242, SLURM_JOB_NAME="trainlib",
                      SLURM_JOB_NUM_NODES=2, SLURM_NNODES=2, SLURM_JOB_NODELIST="node[01-02]",
-                     SLURM_SUBMIT_DIR=submit_dir, **env)
-    return subprocess.run(["bash", str(spool / "slurm_script"), *args], cwd=submit_dir, env=env,
-                          capture_output=True, text=True, timeout=300)
+                     SLURM_SUBMIT_DIR=submit_dir, SCONTROL_LOG=tmp_path / "scontrol.log", **env)
+    cmd = ["bash", str(spool / "slurm_script"), *args]
+    if popen:
+        return subprocess.Popen(cmd, cwd=submit_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.run(cmd, cwd=submit_dir, env=env, capture_output=True, text=True, timeout=300)
 
 
-def test_slurm_batch_script_trains_as_sbatch_runs_it(tmp_path):
+def _records(run_dir) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_slurm_batch_script_trains_is_preempted_and_requeued(tmp_path):
+    """As slurmd runs it: SIGUSR1 to the batch script (SLURM's --signal=B:USR1)
+    reaches every node's workers through srun and torchrun; they save and stop
+    after the same step, the script requeues the job, and the requeued job
+    resumes there and ends on the curve of an uninterrupted run."""
     # SLURM opens the job log before the script runs: its folder must already exist.
     (output,) = [x.split("=", 1)[1] for x in SBATCH.read_text().splitlines() if x.startswith("#SBATCH --output=")]
     assert (REPO / os.path.dirname(output)).is_dir(), output
-    run_dir = tmp_path / "run"
-    proc = _slurm_job(tmp_path, REPO, ["--recipe", "recipes/debug.toml", "--training.steps=3", "--metrics.log_freq=1",
-                                       f"--job.dump_folder={run_dir}"],
-                      NPROC_PER_NODE=1, MASTER_PORT=_free_port(), MAX_RESTARTS=0, PYTHONPATH=REPO)
+    assert "#SBATCH --signal=B:USR1@300" in SBATCH.read_text() and "#SBATCH --requeue" in SBATCH.read_text()
+    run_dir, steps = tmp_path / "run", 40
+    args = ["--recipe", "recipes/debug.toml", f"--training.steps={steps}", "--metrics.log_freq=1",
+            "--training.seq_len=64", "--training.global_batch_size=8", "--metrics.console=false"]
+    job_args = [*args, f"--job.dump_folder={run_dir}", "--checkpoint.enable=true", "--checkpoint.interval=1000"]
+    env = dict(NPROC_PER_NODE=1, MAX_RESTARTS=0, PYTHONPATH=REPO)
+
+    job = _slurm_job(tmp_path, REPO, job_args, popen=True, MASTER_PORT=_free_port(), **env)
+    deadline = time.time() + 240
+    while len(_records(run_dir)) < 3 and job.poll() is None and time.time() < deadline:
+        time.sleep(0.1)
+    job.send_signal(signal.SIGUSR1)  # what SLURM sends before the time limit
+    out, err = job.communicate(timeout=300)
+    stopped = _records(run_dir)[-1]["step"]
+    assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n", out[-2000:] + err[-3000:]
+    assert "world 2 on cpu" in out and "dp_shard=2" in out  # both "nodes" joined one job
+    assert err.count(f"trainlib: preempted: SIGTERM or SIGUSR1: stopped after step {stopped}") == 2  # once per node
+    assert 3 <= stopped < steps and complete_steps(run_dir / "checkpoint") == [stopped]
+
+    proc = _slurm_job(tmp_path, REPO, job_args, MASTER_PORT=_free_port(), **env)  # the requeued job
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
-    assert "world 2 on cpu" in proc.stdout and "dp_shard=2" in proc.stdout  # both "nodes" joined one job
-    steps = [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3]
+    assert f"step-{stopped} (step {stopped}" in proc.stdout
+    got = _records(run_dir)
+    assert [r["step"] for r in got] == list(range(1, steps + 1))
+    ref = run_cli([*args, f"--job.dump_folder={tmp_path / 'ref'}"])  # one process: parity within 1e-5
+    assert ref.returncode == 0, ref.stderr[-3000:]
+    for a, b in zip(got, _records(tmp_path / "ref"), strict=True):
+        assert abs(a["loss"] - b["loss"]) <= 1e-5 * abs(b["loss"]), (a["step"], a["loss"], b["loss"])
 
 
 def test_slurm_batch_script_outside_a_checkout_says_how_to_fix_it(tmp_path):

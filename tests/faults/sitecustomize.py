@@ -6,13 +6,15 @@ that has one, so a test puts this folder first on the subprocess's PYTHONPATH
 run (`python -m trainlib.train`, each torchrun worker, DCP's async writer
 process) loads it. Without `TRAINLIB_FAULTS` it does nothing. With it, it wraps
 `Checkpointer` methods (and DCP's file writer) as their modules are imported,
-and sends a signal to the chosen rank at the chosen point:
+and at the chosen point of the chosen rank does what ACTION says:
 
-    TRAINLIB_FAULTS="POINT:STEP[:RANK[:SIGNAL]],..."   one or more faults
+    TRAINLIB_FAULTS="POINT:STEP[:RANK[:ACTION]],..."   one or more faults
     TRAINLIB_FAULT_DIR=folder                           once-only markers (required)
 
 RANK is the global rank (`RANK`, 0 without torchrun) or `*` for every rank
-(default 0); SIGNAL a name such as KILL (default), TERM or USR1. POINT is one of
+(default 0). ACTION is a signal name such as KILL (the default), TERM or USR1,
+sent to the process itself; ENOSPC, which raises OSError(ENOSPC) there (a full
+disk, meant for mid_write); or HANG, which sleeps there forever. POINT is one of
 
     after_update     step STEP's optimizer update is done, the checkpointer has
                      not seen it (entry of `Checkpointer.maybe_save`)
@@ -30,8 +32,7 @@ RANK is the global rank (`RANK`, 0 without torchrun) or `*` for every rank
                      whichever process writes (the trainer for sync and thread
                      saves, the writer process for `async_with_pinned_mem`)
 
-or one of these, which corrupt a value instead of sending a signal (SIGNAL is
-ignored):
+or one of these, which corrupt a value instead (ACTION is ignored):
 
     nan_grad         after step STEP's backward, the first gradient element
                      this rank holds becomes NaN (entry of
@@ -52,41 +53,47 @@ relaunch, a `torchrun --max-restarts` restart or a second torchrun agent whose
 restart count stays 0 all run through. Several faults in one variable fire in
 turn across restarts (e.g. kill a rank at step 3, then another at step 6 of
 the restarted run). The firing process prints
-`[fault injection] SIGKILL rank R at POINT of step S` to stderr first.
+`[fault injection] SIGKILL rank R at POINT of step S` (or ENOSPC, HANG) to
+stderr first.
 """
 
+import errno
 import importlib.abc
 import importlib.util
 import os
 import re
 import signal
 import sys
+import time
 from pathlib import Path
 
 SIGNAL_POINTS = ("after_update", "after_step", "before_commit", "async_in_flight", "mid_write")
 VALUE_POINTS = ("nan_grad", "spike_loss", "raise_in_forward")
 POINTS = SIGNAL_POINTS + VALUE_POINTS
+ACTIONS = ("ENOSPC", "HANG")  # besides signals
 
 
-def _parse(spec: str) -> list[tuple[int, str, int, str, signal.Signals]]:
+def _parse(spec: str) -> list[tuple[int, str, int, str, str]]:
     faults = []
     for i, item in enumerate(x.strip() for x in spec.split(",") if x.strip()):
         parts = item.split(":")
-        point, step, rank, sig = parts + ["0", "KILL"][len(parts) - 2:] if 2 <= len(parts) <= 4 else [""] * 4
-        if point not in POINTS or not step.isdigit() or not (rank == "*" or rank.isdigit()) or not hasattr(
-                signal, "SIG" + sig.upper()):
+        point, step, rank, action = parts + ["0", "KILL"][len(parts) - 2:] if 2 <= len(parts) <= 4 else [""] * 4
+        action = action.upper() if action.upper() in ACTIONS else "SIG" + action.upper()
+        if point not in POINTS or not step.isdigit() or not (rank == "*" or rank.isdigit()) or not (
+                action in ACTIONS or hasattr(signal, action)):
             # SystemExit, not an exception: site.py would print and swallow an
             # exception, and the run would go on without its fault.
-            raise SystemExit(f"TRAINLIB_FAULTS item {item!r}: expected POINT:STEP[:RANK[:SIGNAL]] with POINT in "
-                             f"{POINTS}, RANK an integer or '*', SIGNAL a name such as KILL or TERM")
-        faults.append((i, point, int(step), rank, getattr(signal, "SIG" + sig.upper())))
+            raise SystemExit(f"TRAINLIB_FAULTS item {item!r}: expected POINT:STEP[:RANK[:ACTION]] with POINT in "
+                             f"{POINTS}, RANK an integer or '*', ACTION a signal name such as KILL or TERM, "
+                             f"or one of {ACTIONS}")
+        faults.append((i, point, int(step), rank, action))
     return faults
 
 
-def _take(point: str, step: int) -> signal.Signals | None:
-    """The signal of a fault of `point` due at `step` on this rank, once."""
+def _take(point: str, step: int) -> str | None:
+    """The action of a fault of `point` due at `step` on this rank, once."""
     rank = int(os.environ.get("RANK", "0"))
-    for i, p, s, r, sig in FAULTS:
+    for i, p, s, r, action in FAULTS:
         if p != point or s != step or r not in ("*", str(rank)):
             continue
         marker = Path(os.environ["TRAINLIB_FAULT_DIR"]) / f"fault-{i}-rank{rank}"
@@ -94,16 +101,21 @@ def _take(point: str, step: int) -> signal.Signals | None:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
             continue  # fired in an earlier launch
-        return sig
+        return action
     return None
 
 
 def _fire(point: str, step: int) -> None:
-    sig = _take(point, step)
-    if sig is not None:
-        rank = os.environ.get("RANK", "0")
-        print(f"[fault injection] {sig.name} rank {rank} at {point} of step {step}", file=sys.stderr, flush=True)
-        os.kill(os.getpid(), sig)
+    action = _take(point, step)
+    if action is None:
+        return
+    print(f"[fault injection] {action} rank {os.environ.get('RANK', '0')} at {point} of step {step}",
+          file=sys.stderr, flush=True)
+    if action == "ENOSPC":
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+    while action == "HANG":
+        time.sleep(3600)
+    os.kill(os.getpid(), getattr(signal, action))
 
 
 _done = [0]  # the last step the run's TrainState recorded as done
@@ -165,9 +177,9 @@ def _patch_checkpointer(module) -> None:
         maybe_save(self, step, last_step)
         _fire("after_step", step)
 
-    def save_(self):
-        save(self)
-        if self.cfg.async_mode != "disabled":
+    def save_(self, sync=False):
+        save(self, sync)
+        if self.cfg.async_mode != "disabled" and not sync:
             _fire("async_in_flight", self.train_state.step)
 
     def commit_(self, step):

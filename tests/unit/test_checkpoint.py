@@ -1,9 +1,12 @@
 """Checkpointer parts in one process: what each Stateful part restores, and clear errors."""
 
+import os
+
 import pytest
 import torch
 
-from trainlib.checkpoint import CheckpointConfig, Checkpointer, ModelState, OptimizerState, TrainState
+from trainlib.checkpoint import (CheckpointConfig, Checkpointer, ModelState, OptimizerState, TrainState,
+                                 checkpoint_problem, complete_steps, step_folder)
 
 
 def test_dataloader_state_under_incompatible_dp_is_a_clear_error():
@@ -69,9 +72,38 @@ def test_model_only_initial_load_leaves_the_rest(tmp_path):
     assert not opt2.state and sched2.last_epoch == 0
 
 
+def test_retention_keeps_latest_k_and_every_multiple(tmp_path):
+    model, opt, sched, ck = _job(tmp_path, interval=1, keep_latest_k=2, keep_every=4)
+    for step in range(1, 11):
+        ck.maybe_save(step, last_step=10)
+    assert complete_steps(ck.root) == [4, 8, 9, 10]
+
+
+def test_keep_every_must_be_a_multiple_of_the_interval():
+    with pytest.raises(ValueError, match=r"keep_every=5 must be 0 or a multiple of checkpoint.interval=2.*e\.g\. 4"):
+        CheckpointConfig(interval=2, keep_every=5, keep_latest_k=1)
+
+
+def test_manifest_detects_truncated_and_missing_files_and_load_falls_back(tmp_path):
+    model, opt, sched, ck = _job(tmp_path, interval=1)
+    for step in (1, 2, 3):
+        _train_step(model, opt, sched)
+        ck.maybe_save(step, last_step=3)
+    shard = step_folder(ck.root, 3) / "__0_0.distcp"
+    assert checkpoint_problem(step_folder(ck.root, 3)) is None
+    os.truncate(shard, shard.stat().st_size - 1)
+    assert checkpoint_problem(step_folder(ck.root, 3)) == (
+        f"__0_0.distcp has {shard.stat().st_size} bytes, {shard.stat().st_size + 1} when committed")
+    (step_folder(ck.root, 2) / "__0_0.distcp").unlink()
+    assert checkpoint_problem(step_folder(ck.root, 2)) == "__0_0.distcp is missing"
+    model2, opt2, sched2, ck2 = _job(tmp_path, interval=1)
+    assert ck2.load() == 1
+    assert complete_steps(ck.root) == [1] and (ck.root / "step-3.corrupt").is_dir()
+
+
 @pytest.mark.parametrize("poison", ["weight", "moment"])
 def test_a_checkpoint_with_a_non_finite_value_is_refused(tmp_path, poison):
-    from trainlib.checkpoint import complete_steps, incomplete_folders
+    from trainlib.checkpoint import incomplete_folders
     from trainlib.errors import TrainingStopped
 
     model, opt, sched, ck = _job(tmp_path, interval=1)
@@ -88,3 +120,13 @@ def test_a_checkpoint_with_a_non_finite_value_is_refused(tmp_path, poison):
                                               rf"\(this rank: {name}\); the latest complete checkpoint stays step 1$"):
         ck.maybe_save(2, last_step=3)
     assert complete_steps(ck.root) == [1] and incomplete_folders(ck.root) == []
+
+
+def test_retention_never_deletes_the_checkpoint_just_committed(tmp_path):
+    model, opt, sched, ck = _job(tmp_path, interval=2)
+    for step in (2, 4):
+        ck.maybe_save(step, last_step=4)
+    model, opt, sched, ck = _job(tmp_path, interval=2, keep_latest_k=1, load_step=2)
+    assert ck.load() == 2
+    ck.maybe_save(3, last_step=3)  # back in time: step 3 is older than step 4
+    assert complete_steps(ck.root) == [3, 4]

@@ -4,6 +4,7 @@ HF / Meta safetensors interop (`hf`, `convert`)."""
 from trainlib.checkpoint.manager import (
     CheckpointConfig,
     Checkpointer,
+    checkpoint_problem,
     complete_steps,
     incomplete_folders,
     latest_step,
@@ -11,5 +12,5 @@ from trainlib.checkpoint.manager import (
 )
 from trainlib.checkpoint.state import ModelState, OptimizerState, TrainState
 
-__all__ = ["CheckpointConfig", "Checkpointer", "ModelState", "OptimizerState", "TrainState", "complete_steps",
+__all__ = ["CheckpointConfig", "Checkpointer", "ModelState", "checkpoint_problem", "OptimizerState", "TrainState", "complete_steps",
            "incomplete_folders", "latest_step", "step_folder"]

@@ -3,14 +3,17 @@
 Layout of a run folder's checkpoints (`checkpoint.folder`, default
 `<job.dump_folder>/checkpoint`):
 
-    step-10/          complete: DCP shards + .metadata, renamed into place
+    step-10/          complete: DCP shards + .metadata + manifest.json, renamed into place
     step-20.tmp/      being written, or left by a crash: never loaded
+    step-30.corrupt/  a file missing or truncated since its commit: moved aside at load
 
 A checkpoint counts only once it is complete: every rank writes into
 `step-N.tmp`, and rank 0 renames it to `step-N` after DCP's metadata is written
 (which happens only after every rank's shards are written). A rename within
 one folder is atomic, so a crash at any moment leaves either the old set of
-complete checkpoints or the old set plus the new one.
+complete checkpoints or the old set plus the new one. Before the rename rank 0
+records every file's size in `manifest.json`; loading checks them and falls
+back to the previous checkpoint when one differs.
 
 What is saved: the `Stateful` parts registered with the `Checkpointer`, each
 under its key (see `trainlib.checkpoint.state`). `trainlib.train` registers
@@ -30,6 +33,8 @@ A save is refused (TrainingStopped, on every rank) when any part holds a NaN or 
 
 from __future__ import annotations
 
+import errno
+import json
 import logging
 import os
 import re
@@ -44,6 +49,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
@@ -56,6 +62,7 @@ logger = logging.getLogger("trainlib")
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
+MANIFEST = "manifest.json"
 
 
 @dataclass
@@ -68,6 +75,8 @@ class CheckpointConfig:
         metadata={"help": "disabled: the loop waits for the write; async: background thread; "
                           "async_with_pinned_mem: background process, pinned staging on CUDA"})
     keep_latest_k: int = field(default=0, metadata={"help": "keep only the newest k complete checkpoints; 0 keeps all"})
+    keep_every: int = field(default=0, metadata={
+        "help": "with keep_latest_k, also keep every checkpoint whose step is a multiple of this (0: none)"})
     load_step: int = field(default=-1, metadata={"help": "resume from this step's checkpoint; -1 = the latest complete one"})
     fresh_start: bool = field(default=False, metadata={"help": "delete this run's checkpoints and start at step 0"})
     initial_load_path: str | None = field(
@@ -82,6 +91,10 @@ class CheckpointConfig:
             raise ConfigError(f"checkpoint.interval must be >= 1 steps, got {self.interval}")
         if self.keep_latest_k < 0:
             raise ConfigError(f"checkpoint.keep_latest_k must be >= 0 (0 keeps all), got {self.keep_latest_k}")
+        if self.keep_every < 0 or self.keep_every % self.interval:
+            raise ConfigError(f"checkpoint.keep_every={self.keep_every} must be 0 or a multiple of checkpoint.interval="
+                              f"{self.interval} (other steps are never saved); e.g. "
+                              f"{max(1, round(self.keep_every / self.interval)) * self.interval}")
         if self.load_step < -1:
             raise ConfigError(f"checkpoint.load_step must be a step >= 0 or -1 for the latest, got {self.load_step}")
         if self.export_hf and not self.enable:
@@ -122,6 +135,26 @@ def latest_step(root: str | os.PathLike) -> int | None:
     return steps[-1] if steps else None
 
 
+def checkpoint_problem(path: str | os.PathLike) -> str | None:
+    """Why the complete checkpoint folder `path` cannot be loaded: a file
+    recorded in its manifest is missing or has another size. None when every
+    file is as committed (or the folder predates manifests)."""
+    path = Path(path)
+    try:
+        files = json.loads((path / MANIFEST).read_text())["files"]
+    except FileNotFoundError:
+        return None  # written before manifests existed: DCP's own errors apply
+    except (json.JSONDecodeError, KeyError):
+        return f"{MANIFEST} is unreadable"
+    for name, size in sorted(files.items()):
+        f = path / name
+        if not f.is_file():
+            return f"{name} is missing"
+        if f.stat().st_size != size:
+            return f"{name} has {f.stat().st_size} bytes, {size} when committed"
+    return None
+
+
 # --------------------------------------------------------------------------- checkpointer
 
 
@@ -149,9 +182,11 @@ class Checkpointer:
 
     `load()` at setup (after the optimizer exists), `maybe_save(step,
     last_step)` after each step, `close()` at the end (waits for an async save
-    in flight). A save is `save()`: every rank writes into `step-N.tmp`,
-    then `_commit(N)` renames it to `step-N` (for async saves, once the
-    background write has finished) and applies `keep_latest_k`.
+    in flight); `save_now()` before an early exit (preemption). A save is
+    `save()`: every rank writes into `step-N.tmp`, then `_commit(N)` writes
+    the manifest, renames the folder to `step-N` (for async saves, once the
+    background write has finished) and applies the retention keys. A save
+    that fails for a full disk is reported in one line and training goes on.
     """
 
     def __init__(self, cfg: CheckpointConfig, run_dir: str | os.PathLike, states: dict[str, Stateful]):
@@ -164,6 +199,8 @@ class Checkpointer:
         self.last_blocked_s: float | None = None  # how long the loop waited on the last save
         self._pending: Future | None = None
         self._pending_step: int | None = None
+        self._last_saved: int | None = None  # the step of the last save started (sync or async)
+        self._last_step: int | None = None  # the run's final step, whose save must not fail quietly
         self._async_pg = None
         self._stager = None
         if cfg.enable and cfg.async_mode != "disabled" and dist.is_initialized():
@@ -199,16 +236,41 @@ class Checkpointer:
             if cfg.load_step not in steps:
                 raise ConfigError(f"checkpoint.load_step={cfg.load_step} has no complete checkpoint in {self.root} "
                                   f"(complete steps: {steps or 'none'}); pick one of those or -1 for the latest")
+            problem = checkpoint_problem(step_folder(self.root, cfg.load_step))
+            if problem:
+                raise ConfigError(f"checkpoint.load_step={cfg.load_step}: {step_folder(self.root, cfg.load_step)} is "
+                                  f"damaged ({problem}); pick another of {steps} or -1 for the latest intact one")
             step = cfg.load_step
-        elif steps:
-            step = steps[-1]
         else:
-            return self._initial_load()
+            step = self._latest_intact(steps)
+            if step is None:
+                return self._initial_load()
         t0 = time.perf_counter()
         self.load_from(step_folder(self.root, step))
         logger.info(f"resumed from {step_folder(self.root, step)} (step {self.train_state.step}, "
                     f"{self.train_state.tokens_seen:,} tokens seen) in {time.perf_counter() - t0:.2f} s")
         return self.train_state.step
+
+    def _latest_intact(self, steps: list[int]) -> int | None:
+        """The newest of `steps` whose files are as committed. Rank 0 checks
+        and moves damaged ones aside (`step-N.corrupt`, kept for inspection,
+        never loaded or counted again); every rank gets its answer."""
+        choice: list[int | None] = [None]
+        if self.rank == 0:
+            for step in reversed(steps):
+                folder = step_folder(self.root, step)
+                problem = checkpoint_problem(folder)
+                if problem is None:
+                    choice = [step]
+                    break
+                aside = self.root / f"step-{step}.corrupt"
+                shutil.rmtree(aside, ignore_errors=True)
+                os.replace(folder, aside)
+                logger.warning(f"skipping damaged checkpoint {folder} ({problem}); moved to {aside.name}, "
+                               f"falling back to the previous complete checkpoint")
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(choice, src=0)
+        return choice[0]
 
     def load_from(self, path: str | os.PathLike, keys: Iterable[str] | None = None) -> None:
         """Load the registered parts (or only those in `keys`) from the DCP
@@ -255,26 +317,33 @@ class Checkpointer:
         self.train_state.advance(step)
         if not self.cfg.enable:
             return
+        self._last_step = last_step
         if self._pending is not None and self._pending.done():
             self.wait()  # commit a finished background save now, not at the next save
         if self.due(step, last_step):
             self.save()
 
-    def save(self) -> None:
-        """Save every part as of now, as the checkpoint of the TrainState's step.
-        Refused (TrainingStopped, on every rank) when any part holds a NaN or Inf."""
+    def save(self, sync: bool = False) -> None:
+        """Save every part as of now, as the checkpoint of the TrainState's
+        step; `sync` waits for the write whatever `async_mode` says. Refused
+        (TrainingStopped, on every rank) when any part holds a NaN or Inf."""
         t0, step = time.perf_counter(), self.train_state.step
         self._refuse_nonfinite(step)
         self.wait()  # one save in flight at most; its commit must precede the next
+        self._last_saved = step
         tmp = self.root / f"step-{step}.tmp"
         if self.rank == 0:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
         self._barrier()
-        mode = self.cfg.async_mode
+        mode = "disabled" if sync else self.cfg.async_mode
         if mode == "disabled":
-            dcp.save(self.states, checkpoint_id=str(tmp))
+            try:
+                dcp.save(self.states, checkpoint_id=str(tmp))
+            except CheckpointException as e:
+                self._save_failed(step, e)
+                return
             self._commit(step)
         else:
             from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
@@ -303,8 +372,43 @@ class Checkpointer:
             return
         fut, step = self._pending, self._pending_step
         self._pending = self._pending_step = None
-        fut.result()  # raises if the background save failed: better than a silent gap
+        try:
+            fut.result()  # raises if the background save failed: better than a silent gap
+        except CheckpointException as e:
+            self._save_failed(step, e)
+            return
         self._commit(step)
+
+    def save_now(self) -> None:
+        """Before the process exits (preemption): make the current step's
+        checkpoint complete on disk, writing it synchronously unless it is
+        already saved or in flight, and return on every rank only once rank 0
+        has committed it."""
+        if not self.cfg.enable:
+            return
+        self.wait()
+        if self._last_saved != self.train_state.step:
+            self.save(sync=True)
+        self._barrier()  # no rank exits (and has its launcher kill the others) before the commit
+
+    def _save_failed(self, step: int, err: CheckpointException) -> None:
+        """A full disk on any rank: one line, the partial folder removed, and
+        training goes on (the next save retries); the final step's save
+        re-raises. Any other failure propagates as it is."""
+        if not all(isinstance(exc, OSError) and exc.errno == errno.ENOSPC for exc, _ in err.failures.values()):
+            raise err
+        self._disk_full(step, f"ranks {sorted(err.failures)}")
+        if step == self._last_step:
+            raise err
+
+    def _disk_full(self, step: int, who: str) -> None:
+        if self.rank != 0:
+            return
+        shutil.rmtree(self.root / f"step-{step}.tmp", ignore_errors=True)
+        latest = latest_step(self.root)
+        logger.warning(f"checkpoint step {step} not saved: no space left on device ({who}); "
+                       f"{f'step {latest}' if latest is not None else 'no checkpoint'} stays the latest complete "
+                       f"checkpoint in {self.root}; training continues and the next save retries")
 
     def _commit(self, step: int) -> None:
         # DCP writes .metadata on rank 0 only after every rank's shards are
@@ -312,11 +416,28 @@ class Checkpointer:
         if self.rank != 0:
             return
         tmp, final = self.root / f"step-{step}.tmp", step_folder(self.root, step)
+        files = {p.name: p.stat().st_size for p in tmp.iterdir() if p.is_file()}
+        try:
+            (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
+        except OSError as e:
+            if e.errno != errno.ENOSPC:
+                raise
+            self._disk_full(step, f"rank 0 writing {MANIFEST}")
+            return
         if final.exists():  # re-saving a step after load_step went back in time
             shutil.rmtree(final)
         os.replace(tmp, final)
-        if self.cfg.keep_latest_k:
-            for old in complete_steps(self.root)[: -self.cfg.keep_latest_k]:
+        self._apply_retention(step)
+
+    def _apply_retention(self, committed: int) -> None:
+        """Keep the newest keep_latest_k complete checkpoints, those whose step
+        is a multiple of keep_every, and the one just committed (older than
+        others after load_step went back in time), so never the only one."""
+        k, every = self.cfg.keep_latest_k, self.cfg.keep_every
+        if not k:
+            return
+        for old in complete_steps(self.root)[:-k]:
+            if old != committed and not (every and old % every == 0):
                 shutil.rmtree(step_folder(self.root, old), ignore_errors=True)
 
     def export_hf(self, out_dir: str | os.PathLike) -> None:

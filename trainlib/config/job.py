@@ -23,6 +23,7 @@ from trainlib.parallel.ac import ActivationCheckpointConfig
 from trainlib.parallel.compile import CompileConfig
 from trainlib.parallel.config import ParallelismConfig
 from trainlib.profiling import ProfilingConfig
+from trainlib.resilience import WatchdogConfig
 from trainlib.validation import ValidationConfig
 
 
@@ -110,6 +111,7 @@ class JobConfig:
     validation: ValidationConfig = field(default_factory=ValidationConfig)
     profiling: ProfilingConfig = field(default_factory=ProfilingConfig)
     comm: CommConfig = field(default_factory=CommConfig)
+    watchdog: WatchdogConfig = field(default_factory=WatchdogConfig)
     float8: Float8Config = field(default_factory=Float8Config)
     compile: CompileConfig = field(default_factory=CompileConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)

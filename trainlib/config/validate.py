@@ -66,6 +66,11 @@ def validate_job(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs, toke
                 f"model.attn_mask = 'document' needs a model whose forward takes doc_ids, and model.name "
                 f"'{cfg.model.name}' has none; set model.attn_mask = 'causal'"
             )
+    if cfg.watchdog.enable and cfg.watchdog.min_seconds >= cfg.comm.train_timeout_seconds / 2:
+        raise ConfigError(
+            f"watchdog.min_seconds ({cfg.watchdog.min_seconds:g}) must be below half of comm.train_timeout_seconds "
+            f"({cfg.comm.train_timeout_seconds:g}), so that a hang is reported before the collective timeout ends "
+            f"the job; lower watchdog.min_seconds or raise comm.train_timeout_seconds")
 
 
 def validate_machine(cfg: JobConfig, device: torch.device) -> None:
