@@ -21,7 +21,8 @@ def main() -> list[float]:
     dims.build_mesh(info.device.type)
 
     # The job's own build: meta device, float8, pipeline split, parallelize (no memory until sharded).
-    (model,) = trainlib.build_model_parts(cfg, dims, info.device).parts
+    built = trainlib.build_model_parts(cfg, dims, info.device)
+    (model,) = built.parts
     trainlib.init_model_weights(model, seed=0, device=info.device)
 
     optimizer = trainlib.build_optimizer([model], trainlib.OptimizerConfig(lr=3e-3))
@@ -35,7 +36,9 @@ def main() -> list[float]:
         batch = next(loader)
         n_targets = trainlib.count_targets(batch["labels"]).float()
         dist.all_reduce(n_targets)  # global token count: the loss is a mean over the whole batch
-        loss = trainlib.cross_entropy_sum(model(batch["input"]), batch["labels"]) / n_targets
+        # built.loss_fn: the loss as configured; by default (loss.chunked) the model stops at
+        # the final norm and the loss applies the output projection chunk by chunk.
+        loss = built.loss_fn(model(batch["input"]), batch["labels"]) / n_targets
         loss.backward()
         trainlib.clip_grad_norm_(model.parameters(), max_norm=1.0)
         optimizer.step()
