@@ -20,6 +20,7 @@ def _bench(tmp_path, *args, rc=0):
     return proc.stdout, json.loads(out.read_text())
 
 
+@pytest.mark.slow
 def test_benchmark_cpu_smoke(tmp_path):
     stdout, (row,) = _bench(tmp_path, "--configs", "float8_tensorwise", "--ac", "full")
     assert "| float8_tensorwise ac=full" in stdout and "MFU (bf16 peak)" in stdout and "plan step s" in stdout

@@ -141,6 +141,7 @@ def test_reshard_on_load_continues_the_curve(tmp_path, straight, save_layout, lo
         assert abs(a - b) <= 1e-6 * abs(b), f"step {s}: {a} vs {b}"
 
 
+@pytest.mark.slow
 def test_training_steps_raised_and_load_step(tmp_path):
     folder = tmp_path / "run"
     _run(folder, {}, extra=["--training.steps=4"])

@@ -27,6 +27,7 @@ def test_parity_cp4_contiguous_layout_grad_accum_hsdp():
     _parity(["cp=4", "cp=2,cp_load_balance=false", "cp=2,training.local_batch_size=4", "dp_replicate=2,cp=2"])
 
 
+@pytest.mark.slow
 def test_parity_cp2_tp2():
     """CP2 x TP2 follows the single-process curve."""
     _parity(["cp=2,tp=2"])

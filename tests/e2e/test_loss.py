@@ -3,6 +3,8 @@ whole-logits loss (loss.chunked=false) on the same curve."""
 
 import json
 
+import pytest
+
 from tests.helpers import RECIPES, run_cli
 from trainlib.parity import run_parity
 
@@ -21,6 +23,7 @@ def test_big_vocab_trains_under_2_gib(tmp_path):
     assert max(r["peak_memory_gib"] for r in records) < 2.0, records
 
 
+@pytest.mark.slow
 def test_whole_logits_loss_gives_the_same_curve():
     report = run_parity(str(RECIPES / "debug.toml"), ["loss.chunked=false", "tp=2,loss.chunked=false"], steps=5,
                         extra=["--training.global_batch_size=4", "--training.seq_len=128"])
