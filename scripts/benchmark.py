@@ -197,8 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny CPU run: debug flavor, 4 steps; grid: bf16 and float8 tensorwise, no compile")
-    if "-h" in argv or "--help" in argv:
-        print(p.format_help())
+    if p.help_requested(argv):
         return 0
     try:
         a, overrides = p.parse_recipe_args(argv)

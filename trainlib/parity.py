@@ -156,8 +156,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, metavar="DIR", help="keep the runs' folders here")
     p.add_argument("--plot", default=None, metavar="PREFIX",
                    help="also write PREFIX.png and PREFIX.html: each layout's curve against the baseline")
-    if "-h" in argv or "--help" in argv:
-        print(p.format_help())
+    if p.help_requested(argv):
         return 0
     try:
         ns, overrides = p.parse_recipe_args(argv)

@@ -265,8 +265,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = RecipeArgumentParser("[torchrun --nproc-per-node=N] python -m trainlib.train", DESCRIPTION,
                                   epilog="recipe keys (section.key = default  # type; help):\n" + describe(JobConfig))
     parser.add_argument("--list-recipes", action="store_true", help="list the shipped recipes and exit")
-    if "-h" in argv or "--help" in argv:
-        print(parser.format_help())
+    if parser.help_requested(argv):
         return 0
     run_dir = None  # where a crash report goes, once the config names it
     try:

@@ -9,9 +9,9 @@ import time
 from pathlib import Path
 
 import pytest
-from trainlib.errors import ConfigError
 import torch
 
+from tests.unit.test_data import DOCS  # documents of very different lengths, shared
 from trainlib.data import (
     ByteTokenizer,
     DataConfig,
@@ -22,6 +22,7 @@ from trainlib.data import (
 from trainlib.data.prepare import STATE, _Progress, _read_position, prepare
 from trainlib.data.prepare import main as prepare_main
 from trainlib.data import prepared
+from trainlib.errors import ConfigError
 from trainlib.data.prepared import (
     MANIFEST,
     Mixture,
@@ -32,15 +33,6 @@ from trainlib.data.prepared import (
 )
 
 BYTE = ByteTokenizer()
-DOCS = [
-    "Alpha.",
-    "",
-    "The quick brown fox jumps over the lazy dog. " * 3,
-    "b",
-    "Ünïcödé ✓ text — with multibyte characters.",
-    "x" * 70,
-    "Last one here.",
-]
 TINY_SHARDS = 60 / 2**20  # --shard-mb giving a shard every few documents
 
 

@@ -59,8 +59,7 @@ def main(argv=None) -> int:
     p.add_argument("--interval", type=int, default=3)
     p.add_argument("--nproc", type=int, default=1)
     p.add_argument("--model", nargs="+", default=["debug", "wide"], choices=sorted(MODELS))
-    if "-h" in argv or "--help" in argv:
-        print(p.format_help())
+    if p.help_requested(argv):
         return 0
     try:
         a, overrides = p.parse_recipe_args(argv)

@@ -35,6 +35,14 @@ class RecipeArgumentParser(argparse.ArgumentParser):
         self.add_argument("--set", action="extend", nargs="+", default=[], metavar="SECTION.KEY=VALUE",
                           help="recipe overrides; --set a.b=1 c.d=2 is the same as --a.b=1 --c.d=2")
 
+    def help_requested(self, argv: Sequence[str]) -> bool:
+        """Print the help and return True when `argv` asks for it: the mains
+        return 0 themselves instead of argparse's SystemExit."""
+        if "-h" in argv or "--help" in argv:
+            print(self.format_help())
+            return True
+        return False
+
     def error(self, message: str):  # argparse would print usage and exit; one line instead
         raise ConfigError(f"{message} (see {self.prog} --help)")
 

@@ -76,8 +76,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--suggest", action="store_true", help="list layouts that fit, fastest first")
     ap.add_argument("--top", type=int, default=10, help="with --suggest: how many layouts to list")
     ap.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    if "-h" in argv or "--help" in argv:
-        print(ap.format_help())
+    if ap.help_requested(argv):
         return 0
     try:
         a, overrides = ap.parse_recipe_args(argv)
