@@ -1,6 +1,9 @@
 """Honest errors, in-process through `trainlib.train.main`: every user-input
 error is one line and exit 2; anything else keeps its traceback (exit 1)."""
 
+import json
+import shutil
+
 import pytest
 import torch
 
@@ -110,3 +113,39 @@ def test_torch_value_error_in_setup_is_not_a_user_error(capsys, tmp_path, monkey
     err = capsys.readouterr().err
     assert "[rank 0] ValueError: optimizer got an empty parameter list" in err
     assert "[rank 0] Traceback" in err and "in setup" in err and "trainlib: error:" not in err
+
+
+@pytest.fixture(scope="module")
+def prepared_dir(tmp_path_factory):
+    from trainlib.data.prepare import prepare
+
+    src = tmp_path_factory.mktemp("src") / "docs.jsonl"
+    src.write_text("".join(json.dumps({"text": f"document {i} " + "x" * 40}) + "\n" for i in range(50)))
+    out = tmp_path_factory.mktemp("prepared") / "p"
+    prepare(str(out), [str(src)], progress=False)
+    return out
+
+
+@pytest.mark.parametrize("damage,overrides,expected", [
+    ("truncate", [], "the folder is damaged"),
+    ("other tokenizer", [], "another tokenizer than this run's"),
+    (None, ["--training.seq_len=100000"], "training.seq_len=100000 needs windows of 100001 tokens"),
+    (None, ["--data.mixture=['{dir}:0']"], "sum to 0"),
+])
+def test_bad_prepared_data_is_one_line_and_exit_2(capsys, tmp_path, prepared_dir, damage, overrides, expected):
+    """Prepared-data refusals are user errors too (issue 12): one line, exit 2."""
+    folder = tmp_path / "p"
+    shutil.copytree(prepared_dir, folder)
+    if damage == "truncate":
+        shard = sorted((folder / "shards").glob("*.tokens"))[0]
+        shard.write_bytes(shard.read_bytes()[:10])
+    if damage == "other tokenizer":  # as if prepared with a tokenizer.json of another vocabulary
+        manifest = json.loads((folder / "manifest.json").read_text())
+        manifest["tokenizer"].update(kind="hf", file_sha256="0" * 64, vocab_size=32000)
+        (folder / "manifest.json").write_text(json.dumps(manifest))
+    args = [o.format(dir=folder) for o in overrides]
+    if not any(a.startswith("--data.mixture") for a in args):
+        args.append(f"--data.path={folder}")
+    assert main([*args, "--training.steps=1", f"--job.dump_folder={tmp_path / 'run'}", "--metrics.console=false"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("trainlib: error: ") and expected in err, err[-3000:]
