@@ -124,8 +124,8 @@ SLOW_PUBLISHED = {
 
 
 # Compile (and float8) activations are planned as bf16 eager, so rows that differ
-# only by them get one prediction; since selective_op every_other_mm also saves
-# attention outputs (as TorchTitan's policy does), the eager rows are +2.8% / +3.4%
+# only by them get one prediction; since selective_op every_other_mm saves wq, wv,
+# w1, w2 (as TorchTitan's policy does), the eager rows are +2.8% / +3.4%
 # and this compiled float8 row is over by 12.1% (69.3 vs 61.8 GiB).
 KNOWN_MISSES = {"t3_8b_fsdp128_compile_float8": "compile and float8 activation savings are not modelled"}
 
