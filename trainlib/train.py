@@ -27,7 +27,7 @@ from trainlib.checkpoint import Checkpointer, ModelState, OptimizerState, TrainS
 from trainlib.checkpoint.manager import latest_step, step_folder
 from trainlib.config import ConfigError, JobConfig, config_to_dict, load_job_config, save_config
 from trainlib.config.validate import resolve_local_batch_size, validate_job, validate_machine
-from trainlib.data import DataLoader, build_dataloader, build_tokenizer, document_ids
+from trainlib.data import DataLoader, build_dataloader, build_tokenizer
 from trainlib.distributed import DistInfo, destroy_distributed, init_distributed, set_collective_timeout
 from trainlib.errors import (EXIT_INTERNAL, EXIT_PREEMPTED, EXIT_STOPPED, EXIT_USER, Preempted, TrainingStopped,
                              print_once_per_node, report_crash)
@@ -40,7 +40,7 @@ from trainlib.optim import build_lr_scheduler, build_optimizer, implementation_o
 from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
 from trainlib.parallel.pp import Pipeline
 from trainlib.parallel.tp import loss_context
-from trainlib.parallel.cp import shard_batch
+from trainlib.parallel.cp import local_micro_batches
 from trainlib.profiling import GarbageCollection, Profiler
 from trainlib.resilience import StepMonitor
 from trainlib.validation import Validator, build_validator
@@ -134,11 +134,10 @@ def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tenso
     """Forward and backward over one step's micro-batches; returns this rank's
     share of the global mean loss (summing it over dp_cp, and pp, gives the loss)."""
     device = job.info.device
-    if job.cfg.model.attn_mask == "document":  # from whole windows: under CP each rank masks against every key
-        micro_batches = [{**mb, "doc_ids": document_ids(mb["position_ids"]).to(device)} for mb in micro_batches]
-    if job.dims.cp_enabled:  # this rank's sequence chunks; apply_cp gives RoPE the matching positions
-        cp_mesh = job.dims.mesh("cp")
-        micro_batches = [shard_batch(mb, cp_mesh, job.cfg.parallelism.cp_load_balance) for mb in micro_batches]
+    # Under CP, this rank's sequence chunks; apply_cp gives RoPE the matching positions.
+    micro_batches = local_micro_batches(micro_batches, job.dims.mesh("cp") if job.dims.cp_enabled else None,
+                                        job.cfg.parallelism.cp_load_balance, job.cfg.model.attn_mask == "document",
+                                        device)
     # Vocab-sharded logits under TP: the loss's forward and backward run on shards.
     with loss_context(job.dims.tp_enabled and job.cfg.parallelism.tp_loss_parallel):
         if job.pipeline is not None:
@@ -158,15 +157,6 @@ def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tenso
     return loss_sum
 
 
-def global_loss(job: Job, loss_sum: torch.Tensor) -> torch.Tensor:
-    """The step's loss, the same on every rank: summed over the ranks that hold
-    distinct tokens and, under PP, over the stages (only the last holds any)."""
-    dist.all_reduce(loss_sum, group=job.dims.mesh("dp_cp").get_group())
-    if job.dims.pp_enabled:
-        dist.all_reduce(loss_sum, group=job.dims.mesh("pp").get_group())
-    return loss_sum
-
-
 def train_loop(job: Job) -> list[dict]:
     cfg, t, device = job.cfg, job.cfg.training, job.info.device
     dp_group = job.dims.mesh("dp").get_group()
@@ -183,7 +173,7 @@ def train_loop(job: Job) -> list[dict]:
         n_targets = sum(count_targets(mb["labels"]) for mb in micro_batches).to(device, torch.float32)
         dist.all_reduce(n_targets, group=dp_group)
 
-        loss = global_loss(job, forward_backward(job, micro_batches, n_targets))
+        loss = job.dims.sum_loss(forward_backward(job, micro_batches, n_targets))
         grad_norm = clip_grad_norm_([p for m in job.model_parts for p in m.parameters()], t.max_norm, pp_mesh)
         if job.guard.check(step, loss, grad_norm):  # judged on the device; False: a skip the host knows of
             job.optimizer.step()

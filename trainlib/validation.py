@@ -22,10 +22,10 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
-from trainlib.data import DEFAULT_VALIDATION_PATH, DataConfig, build_dataloader, document_ids
+from trainlib.data import DEFAULT_VALIDATION_PATH, DataConfig, build_dataloader
 from trainlib.errors import ConfigError
 from trainlib.loss import count_targets
-from trainlib.parallel.cp import shard_batch
+from trainlib.parallel.cp import local_micro_batches
 from trainlib.parallel.parallel_dims import ParallelDims
 from trainlib.parallel.pp import Pipeline
 from trainlib.parallel.tp import loss_context
@@ -83,20 +83,13 @@ class Validator:
                 if isinstance(module, FSDPModule):
                     module.reshard()
         dist.all_reduce(n_targets, group=self.dims.mesh("dp").get_group())
-        dist.all_reduce(loss_sum, group=self.dims.mesh("dp_cp").get_group())
-        if self.pipeline is not None:  # only last-stage ranks computed a loss; the others hold 0
-            dist.all_reduce(loss_sum, group=self.dims.mesh("pp").get_group())
-        loss = (loss_sum / n_targets).item()
+        loss = (self.dims.sum_loss(loss_sum) / n_targets).item()
         return {"val_loss": loss, "val_perplexity": math.exp(loss) if loss < 700 else math.inf}
 
     def _loss_sum(self, micro_batches: list[dict]) -> torch.Tensor:
         """The token-loss sum of this rank's share of the micro-batches (the training forward, no backward)."""
-        if self.document_mask:  # as in training: from whole windows, before CP cuts them
-            micro_batches = [{**mb, "doc_ids": document_ids(mb["position_ids"]).to(self.device)}
-                             for mb in micro_batches]
-        if self.dims.cp_enabled:
-            cp_mesh = self.dims.mesh("cp")
-            micro_batches = [shard_batch(mb, cp_mesh, self.cp_load_balance) for mb in micro_batches]
+        micro_batches = local_micro_batches(micro_batches, self.dims.mesh("cp") if self.dims.cp_enabled else None,
+                                            self.cp_load_balance, self.document_mask, self.device)
         if self.pipeline is not None:
             return self.pipeline.eval(micro_batches, self.device)
         (model,) = self.model_parts

@@ -1,5 +1,6 @@
 """Profiler windows, memory snapshots, and the garbage collector kept off the step."""
 
+import contextlib
 import gc
 import importlib.util
 import json
@@ -59,6 +60,7 @@ def test_memory_snapshot_at_the_chosen_step_on_cuda(tmp_path):
     assert snapshot["segments"] and snapshot["device_traces"][0]  # what memory_viz draws
 
 
+@contextlib.contextmanager
 def _watch_gc(monkeypatch):
     """Record, at every step's forward-backward, whether automatic collection is on and how many
     objects are frozen; and count full (generation-2) collections while the loop runs."""
@@ -75,26 +77,23 @@ def _watch_gc(monkeypatch):
 
     monkeypatch.setattr(train_module, "forward_backward", watched)
     gc.callbacks.append(count)
-    return seen, collections, lambda: gc.callbacks.remove(count)
+    try:
+        yield seen, collections
+    finally:
+        gc.callbacks.remove(count)
 
 
 def test_gc_is_off_during_training_with_a_collection_every_gc_freq_steps(tmp_path, monkeypatch):
-    seen, collections, done = _watch_gc(monkeypatch)
-    try:
+    with _watch_gc(monkeypatch) as (seen, collections):
         train(_cfg(tmp_path, "--training.steps=6", "--training.gc_freq=2"))
-    finally:
-        done()
     assert seen == [(False, True)] * 6
     assert collections[:3] == [1, 3, 5]  # before steps 2, 4, 6 (then train's own cleanup)
     assert gc.isenabled() and gc.get_freeze_count() == 0  # restored
 
 
 def test_gc_freq_0_leaves_python_collection_automatic(tmp_path, monkeypatch):
-    seen, _, done = _watch_gc(monkeypatch)
-    try:
+    with _watch_gc(monkeypatch) as (seen, _):
         train(_cfg(tmp_path, "--training.steps=2", "--training.gc_freq=0"))
-    finally:
-        done()
     assert seen == [(True, False)] * 2
 
 

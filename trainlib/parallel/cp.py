@@ -47,7 +47,9 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-__all__ = ["apply_cp", "chunk_ids", "cp_sdpa", "layout_positions", "shard_batch", "shard_sequence", "unshard_sequence"]
+from trainlib.data import document_ids
+
+__all__ = ["apply_cp", "chunk_ids", "cp_sdpa", "layout_positions", "local_micro_batches", "shard_batch", "shard_sequence", "unshard_sequence"]
 
 
 def chunk_ids(cp: int, rank: int, load_balance: bool = True) -> list[int]:
@@ -84,6 +86,19 @@ def layout_positions(seq_len: int, cp: int, rank: int, load_balance: bool = True
                      device: torch.device | str | None = None) -> torch.Tensor:
     """Positions 0..seq_len-1 of the tokens this rank holds, in local order."""
     return shard_sequence(torch.arange(seq_len, device=device), cp, rank, load_balance, dim=0)
+
+
+def local_micro_batches(micro_batches: list[dict], cp_mesh: DeviceMesh | None, load_balance: bool,
+                        document_mask: bool, device: torch.device) -> list[dict]:
+    """The micro-batches as this rank feeds them to the model (training and
+    validation alike): document ids from the whole windows first, since under
+    CP every rank's queries are masked against all keys; then, with a cp mesh,
+    this rank's chunks (`shard_batch`)."""
+    if document_mask:
+        micro_batches = [{**mb, "doc_ids": document_ids(mb["position_ids"]).to(device)} for mb in micro_batches]
+    if cp_mesh is not None:
+        micro_batches = [shard_batch(mb, cp_mesh, load_balance) for mb in micro_batches]
+    return micro_batches
 
 
 def shard_batch(batch: dict[str, torch.Tensor], cp_mesh: DeviceMesh,

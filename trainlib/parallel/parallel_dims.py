@@ -193,6 +193,15 @@ class ParallelDims:
         """1-D mesh for plain FSDP, 2-D (replicate, shard) for HSDP."""
         return self.mesh("fsdp") if self.hsdp_enabled else self.mesh("dp_shard_cp")
 
+    def sum_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
+        """All-reduce (in place) a loss summed over this rank's tokens into the
+        global one: over the ranks that hold distinct tokens (dp_cp) and, under
+        PP, over the stages (only the last holds a loss; the others add 0)."""
+        dist.all_reduce(loss_sum, group=self.mesh("dp_cp").get_group())
+        if self.pp_enabled:
+            dist.all_reduce(loss_sum, group=self.mesh("pp").get_group())
+        return loss_sum
+
     def dp_coords(self) -> tuple[int, int]:
         """(rank, degree) of this process along dp: which slice of each global
         batch it loads. Ranks that differ only in cp/tp/pp load the same data."""
