@@ -2,6 +2,7 @@
 from the test), tests/e2e (the real CLI in subprocesses). Helpers live in
 tests/helpers.py."""
 
+import logging
 import os
 
 import pytest
@@ -18,3 +19,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 @pytest.fixture
 def cli():
     return run_cli
+
+
+@pytest.fixture(autouse=True)
+def _restore_trainlib_logger():
+    """A test that runs main() in-process leaves setup_logging's handler on
+    the "trainlib" logger, writing to that test's captured (later closed)
+    stdout; put the logger back so the next test starts clean."""
+    logger = logging.getLogger("trainlib")
+    saved = logger.handlers[:], logger.level, logger.propagate
+    yield
+    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
