@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
+import time
+import uuid
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -74,8 +77,8 @@ def init_distributed(cfg: CommConfig, device: str = "auto", dump_dir: str | os.P
             _nccl_flight_recorder(Path(dump_dir))
     if launched:
         store, _, _ = next(dist.rendezvous("env://", rank=rank, world_size=world_size, timeout=timeout))
-        dist.init_process_group(store=_incarnation_store(store, world_size), rank=rank, world_size=world_size,
-                                **kwargs)
+        dist.init_process_group(store=_incarnation_store(store, rank, world_size, timeout), rank=rank,
+                                world_size=world_size, **kwargs)
     else:
         dist.init_process_group(store=dist.HashStore(), rank=0, world_size=1, **kwargs)
     return DistInfo(rank, local_rank, world_size, dev)
@@ -93,21 +96,78 @@ def _nccl_flight_recorder(folder: Path) -> None:
     os.environ.setdefault("TORCH_FR_DUMP_TEMP_FILE", str(folder / "nccl_trace_rank_"))
 
 
-def _incarnation_store(store: dist.Store, world_size: int) -> dist.Store:
+def _incarnation_store(store: dist.Store, rank: int, world_size: int, timeout: timedelta) -> dist.Store:
     """A namespace of torchrun's store private to this incarnation of the workers.
 
     torchrun --max-restarts keeps one store for every incarnation: without a
     namespace, restarted gloo ranks read the dead incarnation's addresses and
-    fail to connect or hang. TORCHELASTIC_RESTART_COUNT cannot name it: with
-    several agents (--nnodes > 1) only the agent whose worker failed counts a
-    restart, the others restart theirs at 0. So the workers count themselves:
-    every worker of every incarnation adds 1 to one counter, and incarnation k
-    holds the values k*world+1 .. (k+1)*world (a worker that dies before
-    reaching this line would shift that; it fails at startup again anyway)."""
+    fail to connect or hang. Nothing torchrun gives a worker names the
+    incarnation: TORCHELASTIC_RESTART_COUNT differs across agents (with
+    --nnodes > 1 only the agent whose worker failed counts a restart), and
+    counting the workers that join breaks once a worker dies before it is
+    counted. So the live workers agree on a fresh name: `fresh_namespace`."""
     if "TORCHELASTIC_RUN_ID" not in os.environ:
         return store
-    generation = (store.add("trainlib/workers_joined", 1) - 1) // world_size
-    return dist.PrefixStore(f"trainlib/incarnation{generation}", store)
+    name = fresh_namespace(store, rank, world_size, timeout)
+    return dist.PrefixStore(f"trainlib/incarnation/{name}", store)
+
+
+_HANDSHAKE = "trainlib/handshake"
+
+
+def fresh_namespace(store: dist.Store, rank: int, world_size: int, timeout: timedelta,
+                    poll_seconds: float = 0.01) -> str:
+    """A name that the `world_size` live ranks calling this agree on and that no
+    earlier caller of this store used, whatever keys dead ranks left behind
+    (a whole earlier incarnation, or one cut short at any point).
+
+    Rank 0 draws a random epoch. Every other rank posts a random token and
+    waits for rank 0 to echo that token with the epoch, then confirms the
+    epoch. Rank 0 echoes whatever token each rank's key holds (again whenever
+    it changes) until that rank's confirmation carries the epoch. A dead
+    process can neither post a live rank's token nor confirm the live epoch,
+    so stale keys delay nobody and are never mistaken for live ones. Costs two
+    store round trips per poll on rank 0 and a few per other rank."""
+    hello, ack, confirm = (functools.partial(_handshake_key, kind) for kind in ("hello", "ack", "confirm"))
+    deadline = time.monotonic() + timeout.total_seconds()
+    if rank != 0:
+        token = uuid.uuid4().hex
+        store.set(hello(rank), token)
+        store.wait([ack(rank)], timeout)
+        while not (echo := store.get(ack(rank)).decode()).startswith(token + ":"):
+            _before(deadline, f"rank {rank}: rank 0 did not answer within {timeout} (store handshake)")
+            time.sleep(poll_seconds)
+        epoch = echo[len(token) + 1:]
+        store.set(confirm(rank), epoch)
+        return epoch
+    epoch = uuid.uuid4().hex
+    pending = list(range(1, world_size))
+    store.wait([hello(r) for r in pending], timeout)
+    for r in pending:  # so that reading every confirmation never blocks (sets only a missing key)
+        store.compare_set(confirm(r), "", "")
+    echoed: dict[int, bytes] = {}
+    while pending:
+        tokens = store.multi_get([hello(r) for r in pending])
+        changed = [(r, t) for r, t in zip(pending, tokens) if echoed.get(r) != t]
+        if changed:
+            store.multi_set([ack(r) for r, _ in changed], [f"{t.decode()}:{epoch}" for _, t in changed])
+            echoed.update(changed)
+        confirmed = store.multi_get([confirm(r) for r in pending])
+        pending = [r for r, c in zip(pending, confirmed) if c.decode() != epoch]
+        if pending:
+            _before(deadline, f"rank 0: ranks {pending[:8]}{'...' if len(pending) > 8 else ''} did not confirm "
+                              f"within {timeout} (store handshake)")
+            time.sleep(poll_seconds)
+    return epoch
+
+
+def _handshake_key(kind: str, rank: int) -> str:
+    return f"{_HANDSHAKE}/{kind}/{rank}"
+
+
+def _before(deadline: float, what: str) -> None:
+    if time.monotonic() > deadline:
+        raise dist.DistStoreError(what)
 
 
 def set_collective_timeout(seconds: float) -> None:

@@ -179,10 +179,10 @@ def test_async_saves_resume_exactly(tmp_path, straight, mode, layout):
     assert _curve(folder) == straight(layout)
 
 
-def _torchrun(folder: Path, launcher: list[str], fault: str, nproc_layout: dict, timeout=600):
+def _torchrun(folder: Path, launcher: list[str], fault: str, nproc_layout: dict, extra=()):
     _, lay = _layout_args(nproc_layout)
     cmd = [sys.executable, "-m", "torch.distributed.run", *launcher, "-m", "trainlib.train", *BASE,
-           f"--job.dump_folder={folder}", *lay]
+           f"--job.dump_folder={folder}", *lay, *extra]
     return subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
                             env=dict(os.environ, OMP_NUM_THREADS="1", **fault_env(folder.parent / "faults", fault)))
 
@@ -215,6 +215,20 @@ def test_elastic_restart_resumes_on_the_same_curve(tmp_path, straight, fault):
     point, step, rank = fault.split(":")
     assert f"[fault injection] SIGKILL rank {rank} at {point} of step {step}" in out
     assert "resumed from" in out
+    assert _curve(folder) == straight(layout)
+
+
+def test_elastic_restart_after_a_worker_died_before_joining(tmp_path, straight):
+    """Rank 1 is SIGKILLed at start-up before it touches torchrun's store,
+    while rank 0 is already in it. The restarted workers must still agree on
+    one store namespace (they did not when the namespace counted the workers
+    that joined: they waited in different ones until the init timeout)."""
+    layout = {"dp_shard": 2}
+    folder = tmp_path / "run"
+    launcher = ["--standalone", "--nproc-per-node=2", "--max-restarts=1", "--monitor-interval=0.5"]
+    proc = _torchrun(folder, launcher, "before_init:0:1", layout, extra=["--comm.init_timeout_seconds=60"])
+    ((_, out),) = _finish([proc])
+    assert "[fault injection] SIGKILL rank 1 at before_init of step 0" in out
     assert _curve(folder) == straight(layout)
 
 

@@ -31,6 +31,9 @@ disk, meant for mid_write); or HANG, which sleeps there forever. POINT is one of
                      `step-STEP.tmp`, before this rank writes its files: kills
                      whichever process writes (the trainer for sync and thread
                      saves, the writer process for `async_with_pinned_mem`)
+    before_init      start-up, STEP 0: this rank has not touched torchrun's
+                     store (entry of `trainlib.distributed.init_distributed`);
+                     it waits 3 s first, so that the other ranks are in it
 
 or one of these, which corrupt a value instead (ACTION is ignored):
 
@@ -67,7 +70,7 @@ import sys
 import time
 from pathlib import Path
 
-SIGNAL_POINTS = ("after_update", "after_step", "before_commit", "async_in_flight", "mid_write")
+SIGNAL_POINTS = ("after_update", "after_step", "before_commit", "async_in_flight", "mid_write", "before_init")
 VALUE_POINTS = ("nan_grad", "spike_loss", "raise_in_forward")
 POINTS = SIGNAL_POINTS + VALUE_POINTS
 ACTIONS = ("ENOSPC", "HANG")  # besides signals
@@ -88,6 +91,14 @@ def _parse(spec: str) -> list[tuple[int, str, int, str, str]]:
                              f"or one of {ACTIONS}")
         faults.append((i, point, int(step), rank, action))
     return faults
+
+
+def _due(point: str, step: int) -> bool:
+    """Whether a fault of `point` at `step` is still to fire on this rank."""
+    rank = os.environ.get("RANK", "0")
+    return any(p == point and s == step and r in ("*", rank)
+               and not (Path(os.environ["TRAINLIB_FAULT_DIR"]) / f"fault-{i}-rank{rank}").exists()
+               for i, p, s, r, _ in FAULTS)
 
 
 def _take(point: str, step: int) -> str | None:
@@ -189,6 +200,18 @@ def _patch_checkpointer(module) -> None:
     cls.maybe_save, cls.save, cls._commit = maybe_save_, save_, commit_
 
 
+def _patch_init(module) -> None:
+    init_distributed = module.init_distributed
+
+    def init_distributed_(*args, **kwargs):
+        if _due("before_init", 0):
+            time.sleep(3)
+            _fire("before_init", 0)
+        return init_distributed(*args, **kwargs)
+
+    module.init_distributed = init_distributed_
+
+
 def _patch_writer(module) -> None:
     cls = module.FileSystemWriter
     write_data = cls.write_data
@@ -242,8 +265,10 @@ if FAULTS:
         raise SystemExit("TRAINLIB_FAULTS needs TRAINLIB_FAULT_DIR (where once-only markers are kept)")
     _points = {p for _, p, *_ in FAULTS}
     _patches = {}
-    if _points & set(SIGNAL_POINTS) - {"mid_write"}:
+    if _points & set(SIGNAL_POINTS) - {"mid_write", "before_init"}:
         _patches["trainlib.checkpoint.manager"] = _patch_checkpointer
+    if "before_init" in _points:
+        _patches["trainlib.distributed"] = _patch_init
     if "mid_write" in _points:
         _patches["torch.distributed.checkpoint.filesystem"] = _patch_writer
     if _points & set(VALUE_POINTS):
