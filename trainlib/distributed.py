@@ -121,53 +121,53 @@ def fresh_namespace(store: dist.Store, rank: int, world_size: int, timeout: time
     earlier caller of this store used, whatever keys dead ranks left behind
     (a whole earlier incarnation, or one cut short at any point).
 
-    Rank 0 draws a random epoch. Every other rank posts a random token and
-    waits for rank 0 to echo that token with the epoch, then confirms the
-    epoch. Rank 0 echoes whatever token each rank's key holds (again whenever
-    it changes) until that rank's confirmation carries the epoch. A dead
-    process can neither post a live rank's token nor confirm the live epoch,
-    so stale keys delay nobody and are never mistaken for live ones. Costs two
-    store round trips per poll on rank 0 and a few per other rank."""
+    Rank 0 draws a random epoch. Every other rank posts a random token at
+    hello/<rank> and blocks in the store (no polling) until ack/<rank>/<token>
+    exists; it holds the epoch, which the rank confirms at confirm/<rank>.
+    Rank 0 writes ack/<rank>/<token> for whatever token hello/<rank> holds,
+    again whenever it changes, until that rank's confirmation is the epoch. A
+    dead process can neither post a live rank's token nor confirm the live
+    epoch, so stale keys delay nobody and are never mistaken for live ones.
+    Only rank 0 polls: two batched reads per poll, the interval doubling from
+    `poll_seconds` to 0.2 s."""
     hello, ack, confirm = (functools.partial(_handshake_key, kind) for kind in ("hello", "ack", "confirm"))
-    deadline = time.monotonic() + timeout.total_seconds()
     if rank != 0:
         token = uuid.uuid4().hex
         store.set(hello(rank), token)
-        store.wait([ack(rank)], timeout)
-        while not (echo := store.get(ack(rank)).decode()).startswith(token + ":"):
-            _before(deadline, f"rank {rank}: rank 0 did not answer within {timeout} (store handshake)")
-            time.sleep(poll_seconds)
-        epoch = echo[len(token) + 1:]
+        try:
+            store.wait([f"{ack(rank)}/{token}"], timeout)
+        except dist.DistStoreError as e:
+            raise dist.DistStoreError(f"rank {rank}: no answer from rank 0 within {timeout} in trainlib's "
+                                      f"store handshake (rank 0 dead or not started)") from e
+        epoch = store.get(f"{ack(rank)}/{token}").decode()
         store.set(confirm(rank), epoch)
         return epoch
     epoch = uuid.uuid4().hex
+    deadline = time.monotonic() + timeout.total_seconds()
     pending = list(range(1, world_size))
     store.wait([hello(r) for r in pending], timeout)
     for r in pending:  # so that reading every confirmation never blocks (sets only a missing key)
         store.compare_set(confirm(r), "", "")
-    echoed: dict[int, bytes] = {}
+    answered: dict[int, bytes] = {}
     while pending:
         tokens = store.multi_get([hello(r) for r in pending])
-        changed = [(r, t) for r, t in zip(pending, tokens) if echoed.get(r) != t]
-        if changed:
-            store.multi_set([ack(r) for r, _ in changed], [f"{t.decode()}:{epoch}" for _, t in changed])
-            echoed.update(changed)
+        new = [(r, t) for r, t in zip(pending, tokens) if answered.get(r) != t]
+        if new:
+            store.multi_set([f"{ack(r)}/{t.decode()}" for r, t in new], [epoch] * len(new))
+            answered.update(new)
         confirmed = store.multi_get([confirm(r) for r in pending])
         pending = [r for r, c in zip(pending, confirmed) if c.decode() != epoch]
         if pending:
-            _before(deadline, f"rank 0: ranks {pending[:8]}{'...' if len(pending) > 8 else ''} did not confirm "
-                              f"within {timeout} (store handshake)")
+            if time.monotonic() > deadline:
+                raise dist.DistStoreError(f"rank 0: ranks {pending[:8]}{'...' if len(pending) > 8 else ''} did "
+                                          f"not confirm within {timeout} in trainlib's store handshake")
             time.sleep(poll_seconds)
+            poll_seconds = min(2 * poll_seconds, 0.2)
     return epoch
 
 
 def _handshake_key(kind: str, rank: int) -> str:
     return f"{_HANDSHAKE}/{kind}/{rank}"
-
-
-def _before(deadline: float, what: str) -> None:
-    if time.monotonic() > deadline:
-        raise dist.DistStoreError(what)
 
 
 def set_collective_timeout(seconds: float) -> None:

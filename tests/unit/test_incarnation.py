@@ -69,7 +69,7 @@ def test_a_rank_that_died_mid_handshake_does_not_split_the_next_incarnation(stor
         store.set(_handshake_key("confirm", 2), "")
         store.set(_handshake_key("hello", 2), "token-of-a-dead-rank")
     if dead_at == "after_ack":
-        store.set(_handshake_key("ack", 2), "token-of-a-dead-rank:epoch-of-a-dead-rank-0")
+        store.set(_handshake_key("ack", 2) + "/token-of-a-dead-rank", "epoch-of-a-dead-rank-0")
     names, errors = _incarnation(store, seed=3)
     assert not errors and sorted(names) == list(range(W))
     (name,) = set(names.values())
@@ -105,3 +105,9 @@ def test_a_rank_that_never_confirms_ends_in_a_store_error_naming_it(store):
     with pytest.raises(dist.DistStoreError, match=r"rank 0: ranks \[2\] did not confirm within"):
         fresh_namespace(store, 0, 3, timedelta(seconds=1), 0.002)
     rank1.join(30)
+
+
+def test_without_rank_0_a_rank_ends_in_a_store_error_saying_so(store):
+    _incarnation(store, seed=5)  # acks and an epoch of a dead rank 0 are in the store
+    with pytest.raises(dist.DistStoreError, match=r"rank 1: no answer from rank 0 within 0:00:01"):
+        fresh_namespace(_client(store), 1, W, timedelta(seconds=1))
