@@ -152,3 +152,18 @@ def short_documents_corpus(path, n_docs: int = 600, seed: int = 0):
         for _ in range(n_docs):
             f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(rng.randint(3, 40)))}) + "\n")
     return path
+
+
+def fake_streaming_hub(monkeypatch, docs) -> list:
+    """`datasets.load_dataset` answers with a local streaming dataset of `docs`
+    (no hub); returns the list of (name, subset, split, streaming) it was
+    called with."""
+    datasets = pytest.importorskip("datasets")
+    calls = []
+
+    def load_dataset(name, subset=None, split=None, streaming=False, **kw):
+        calls.append((name, subset, split, streaming))
+        return datasets.IterableDataset.from_generator(lambda: iter([{"text": d} for d in docs]))
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    return calls

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import fake_streaming_hub
 from trainlib.data import (
     DEFAULT_CORPUS_PATH,
     DEFAULT_VALIDATION_PATH,
@@ -376,14 +377,7 @@ def test_data_errors(tmp_path, docs_file):
 
 
 def test_hf_dataset_is_streamed(monkeypatch):
-    datasets = pytest.importorskip("datasets")
-    calls = []
-
-    def fake_load_dataset(name, subset=None, split=None, streaming=False, **kw):
-        calls.append((name, subset, split, streaming))
-        return datasets.IterableDataset.from_generator(lambda: iter([{"text": d} for d in DOCS]))
-
-    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    calls = fake_streaming_hub(monkeypatch, DOCS)
     dl = build_dataloader(DataConfig(hf_dataset="org/corpus", hf_subset="en", split="validation"), BYTE, 8, 2)
     assert calls == [("org/corpus", "en", "validation", True)]
     assert next(dl)["input"].reshape(-1).tolist() == token_stream(DOCS)[:16]

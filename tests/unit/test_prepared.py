@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.helpers import fake_streaming_hub
 from tests.unit.test_data import DOCS  # documents of very different lengths, shared
 from trainlib.data import (
     ByteTokenizer,
@@ -197,14 +198,7 @@ def test_prepare_refuses_another_corpus(tmp_path, raw, capsys):
 
 
 def test_prepare_hf_dataset(tmp_path, monkeypatch):
-    datasets = pytest.importorskip("datasets")
-    calls = []
-
-    def fake_load_dataset(name, subset=None, split=None, streaming=False, **kw):
-        calls.append((name, subset, split, streaming))
-        return datasets.IterableDataset.from_generator(lambda: iter([{"text": d} for d in DOCS]))
-
-    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    calls = fake_streaming_hub(monkeypatch, DOCS)
     m = prepare(str(tmp_path / "out"), [], hf_dataset="org/corpus", hf_subset="en", progress=False)
     assert calls == [("org/corpus", "en", "train", True)]
     assert m["sources"] == [{"hf_dataset": "org/corpus", "hf_subset": "en", "split": "train"}]
