@@ -80,7 +80,7 @@ def _combos():
                                    id=f"{recipe}-{ac_mode}-{policy}-{'compile' if compiled else 'eager'}")
 
 
-@pytest.mark.parametrize("recipe,ac_mode,policy,compiled", _combos())
+@pytest.mark.parametrize("recipe,ac_mode,policy,compiled", list(_combos()))
 def test_float8_gradients_finite_and_close_to_bf16(bf16_reference, recipe, ac_mode, policy, compiled):
     ref_loss, ref_norm, _ = bf16_reference
     loss, norm, named = grads("cuda", recipe, ac_mode, policy, compiled)
