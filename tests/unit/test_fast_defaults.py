@@ -10,7 +10,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from trainlib.build import build_model_parts
 from trainlib.config import load_job_config
-from trainlib.distributed import CommConfig, destroy_distributed, init_distributed
+from trainlib.distributed import destroy_distributed, init_distributed
 from trainlib.optim import OptimizerConfig, build_optimizer, implementation_of, resolve_implementation
 from trainlib.parallel import ParallelDims
 from trainlib.train import train
@@ -64,7 +64,7 @@ def test_autocast_on_several_ranks_is_a_one_line_error():
 def test_one_rank_bf16_build(impl, offload):
     cfg = load_job_config(None, ["--training.mixed_precision_param=bfloat16",
                                  f"--training.mixed_precision_impl={impl}", f"--parallelism.fsdp_cpu_offload={offload}"])
-    info = init_distributed(cfg.comm)
+    init_distributed(cfg.comm)
     try:
         dims = ParallelDims.from_config(cfg.parallelism, 1)
         dims.build_mesh("cpu")
