@@ -15,6 +15,7 @@ import traceback
 from pathlib import Path
 
 import pytest
+import torch
 import torch.multiprocessing as mp
 
 from trainlib.launch import train_command
@@ -167,3 +168,12 @@ def fake_streaming_hub(monkeypatch, docs) -> list:
 
     monkeypatch.setattr(datasets, "load_dataset", load_dataset)
     return calls
+
+
+def global_batches(loaders, steps):
+    """Concatenate the micro-batches of all DP ranks for each step."""
+    out = []
+    for _ in range(steps):
+        parts = [next(dl) for dl in loaders]
+        out.append({k: torch.cat([p[k] for p in parts]) for k in parts[0]})
+    return out

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import fake_streaming_hub
+from tests.helpers import fake_streaming_hub, global_batches
 from trainlib.data import (
     DEFAULT_CORPUS_PATH,
     DEFAULT_VALIDATION_PATH,
@@ -201,15 +201,6 @@ def test_packing_window_longer_than_documents(docs_file):
             w = window(stream, 2 * k + i, L)
             assert x["input"][i].tolist() == w[:-1]
             assert x["labels"][i].tolist() == w[1:]
-
-
-def global_batches(loaders, steps):
-    """Concatenate the micro-batches of all DP ranks for each step."""
-    out = []
-    for _ in range(steps):
-        parts = [next(dl) for dl in loaders]
-        out.append({k: torch.cat([p[k] for p in parts]) for k in parts[0]})
-    return out
 
 
 def test_dp_sharding_same_global_batches(docs_file):

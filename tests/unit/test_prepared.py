@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import fake_streaming_hub
+from tests.helpers import fake_streaming_hub, global_batches
 from tests.unit.test_data import DOCS  # documents of very different lengths, shared
 from trainlib.data import (
     ByteTokenizer,
@@ -69,14 +69,6 @@ def take(loader, n):
     return [next(loader) for _ in range(n)]
 
 
-def global_steps(loaders, steps):
-    out = []
-    for _ in range(steps):
-        parts = [next(dl) for dl in loaders]
-        out.append({k: torch.cat([p[k] for p in parts]) for k in parts[0]})
-    return out
-
-
 def hf_tokenizer(tmp_path) -> str:
     tokenizers = pytest.importorskip("tokenizers")
     from tokenizers import decoders, models, pre_tokenizers, trainers
@@ -118,7 +110,7 @@ def test_prepared_batches_equal_on_the_fly(tmp_path, raw, kind):
     for dp, b in [(1, 12), (2, 6), (3, 4)]:
         loaders = [build_dataloader(DataConfig(path=str(tmp_path / "out")), tok, L, b, r, dp) for r in range(dp)]
         assert all(isinstance(dl, PreparedDataLoader) for dl in loaders)
-        for s, got in enumerate(global_steps(loaders, 16)):
+        for s, got in enumerate(global_batches(loaders, 16)):
             assert got.keys() == ref[s].keys()
             for k in got:
                 assert got[k].dtype == torch.long and torch.equal(got[k], ref[s][k]), (dp, s, k)
@@ -282,13 +274,13 @@ def test_shuffle_samples(tmp_path, raw):
 
     ref = take(build_dataloader(cfg, BYTE, L, 12, seed=5), 2 * n_windows // 12 + 3)
     old = [build_dataloader(cfg, BYTE, L, 6, r, 2, seed=5) for r in range(2)]
-    global_steps(old, 5)
+    global_batches(old, 5)
     sd = old[0].state_dict()
     new = [build_dataloader(cfg, BYTE, L, 2, r, 3, seed=5) for r in range(3)]  # dp 3 x b 2 x accum 2
     for dl in new:
         dl.load_state_dict(sd)
     for s in range(5, len(ref)):
-        got = global_steps(new, 2)
+        got = global_batches(new, 2)
         for k in ("input", "labels", "position_ids"):
             assert torch.equal(torch.cat([g[k] for g in got]), ref[s][k]), (s, k)
     with pytest.raises(ConfigError, match=r"samples_consumed=60 is not a multiple of dp_world\*local_batch_size"):
