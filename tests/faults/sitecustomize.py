@@ -93,25 +93,27 @@ def _parse(spec: str) -> list[tuple[int, str, int, str, str]]:
     return faults
 
 
-def _due(point: str, step: int) -> bool:
-    """Whether a fault of `point` at `step` is still to fire on this rank."""
+def _unfired(point: str, step: int):
+    """(marker, action) of each fault of `point` at `step` on this rank that
+    has not fired yet (its once-only marker does not exist)."""
     rank = os.environ.get("RANK", "0")
-    return any(p == point and s == step and r in ("*", rank)
-               and not (Path(os.environ["TRAINLIB_FAULT_DIR"]) / f"fault-{i}-rank{rank}").exists()
-               for i, p, s, r, _ in FAULTS)
+    for i, p, s, r, action in FAULTS:
+        marker = Path(os.environ["TRAINLIB_FAULT_DIR"]) / f"fault-{i}-rank{rank}"
+        if p == point and s == step and r in ("*", rank) and not marker.exists():
+            yield marker, action
+
+
+def _due(point: str, step: int) -> bool:
+    return next(_unfired(point, step), None) is not None
 
 
 def _take(point: str, step: int) -> str | None:
     """The action of a fault of `point` due at `step` on this rank, once."""
-    rank = int(os.environ.get("RANK", "0"))
-    for i, p, s, r, action in FAULTS:
-        if p != point or s != step or r not in ("*", str(rank)):
-            continue
-        marker = Path(os.environ["TRAINLIB_FAULT_DIR"]) / f"fault-{i}-rank{rank}"
+    for marker, action in _unfired(point, step):
         try:
             os.close(os.open(marker, os.O_CREAT | os.O_EXCL | os.O_WRONLY))
         except FileExistsError:
-            continue  # fired in an earlier launch
+            continue  # another process of this rank fired it just now
         return action
     return None
 
