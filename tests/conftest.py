@@ -29,4 +29,6 @@ def _restore_trainlib_logger():
     logger = logging.getLogger("trainlib")
     saved = logger.handlers[:], logger.level, logger.propagate
     yield
-    logger.handlers[:], logger.level, logger.propagate = saved[0], saved[1], saved[2]
+    handlers, level, propagate = saved
+    logger.handlers[:], logger.propagate = handlers, propagate
+    logger.setLevel(level)  # not `.level =`: setLevel also clears logging's is-enabled cache
