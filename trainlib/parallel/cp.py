@@ -111,6 +111,12 @@ def shard_batch(batch: dict[str, torch.Tensor], cp_mesh: DeviceMesh,
             for key, t in batch.items()}
 
 
+# torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single
+# and deprecates the old names; torch 2.11 (the GPU image) has only the old ones.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 class _GatherSequence(torch.autograd.Function):
     """All-gather along the sequence (dim -2) into global order; backward
     reduce-scatters the gradient, so every rank gets the sum of what all
@@ -122,14 +128,14 @@ class _GatherSequence(torch.autograd.Function):
         x = x.contiguous()
         # gloo wants the ranks' tensors concatenated along dim 0
         slots = x.new_empty((cp * x.shape[0], *x.shape[1:]))
-        dist.all_gather_single(slots, x, group=group)
+        _all_gather_single(slots, x, group=group)
         return _slots_to_global(slots.unflatten(0, (cp, -1)), cp, load_balance)
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
         slots = _global_to_slots(grad, ctx.cp, ctx.load_balance).flatten(0, 1).contiguous()
         out = grad.new_empty((slots.shape[0] // ctx.cp, *slots.shape[1:]))
-        dist.reduce_scatter_single(out, slots, group=ctx.group)
+        _reduce_scatter_single(out, slots, group=ctx.group)
         return out, None, None, None
 
 
