@@ -75,6 +75,14 @@ needs_cuda = pytest.mark.skipif(_cuda_problem() is not None, reason=_cuda_proble
 needs_float8_gpu = pytest.mark.skipif(_cuda_problem((8, 9)) is not None, reason=_cuda_problem((8, 9)) or "")
 
 
+def gloo_schedules() -> list[str]:
+    """The pipeline schedules that run on gloo with the installed torch (before
+    2.13 the V placements do not: trainlib.parallel.pp.V_SCHEDULES_ON_GLOO)."""
+    from trainlib.parallel import pp
+
+    return [s for s in pp.SCHEDULES if pp.V_SCHEDULES_ON_GLOO or s not in pp.V_SCHEDULES]
+
+
 def _entry(rank, fn, world, store_path, err_dir, args):
     import torch.distributed as dist
 

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from tests.helpers import spawn
+from tests.helpers import gloo_schedules, spawn
 from trainlib.config import load_job_config
 from trainlib.distributed import init_distributed
 from trainlib.train import setup, train, train_loop
@@ -20,7 +20,9 @@ LAYOUTS = {  # world 2
     "PP2 Interleaved1F1B": {"pp": 2, "pp_schedule": "Interleaved1F1B"},
     "PP2 DualPipeV": {"pp": 2, "pp_schedule": "DualPipeV"},
 }
-FAST = ["FSDP2", "PP2 ZBVZeroBubble"]
+RUNNABLE = [n for n, d in LAYOUTS.items() if d.get("pp_schedule", "1F1B") in gloo_schedules()]
+# torch < 2.13 cannot run V placements on gloo: Interleaved1F1B stands in as the multi-stage rank
+FAST = ["FSDP2", "PP2 ZBVZeroBubble" if "PP2 ZBVZeroBubble" in RUNNABLE else "PP2 Interleaved1F1B"]
 
 
 def _cfg(folder, layout=None, validation=True):
@@ -76,4 +78,4 @@ def test_validation_loss_matches_one_process_and_leaves_training_bitwise_alone(t
 
 @pytest.mark.slow
 def test_validation_under_tp_cp_and_every_pipeline_placement(tmp_path):
-    _check(tmp_path, [n for n in LAYOUTS if n not in FAST], bitwise=True)
+    _check(tmp_path, [n for n in RUNNABLE if n not in FAST], bitwise=True)

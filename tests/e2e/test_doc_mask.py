@@ -7,8 +7,7 @@ import random
 
 import pytest
 
-from tests.helpers import RECIPES, short_documents_corpus
-from trainlib.parallel import pp as pp_lib
+from tests.helpers import RECIPES, gloo_schedules, short_documents_corpus
 from trainlib.parity import run_parity
 
 DEBUG = str(RECIPES / "debug.toml")
@@ -61,7 +60,7 @@ def test_document_mask_parity_all_layouts(tmp_path):
     layouts = ["dp_shard=2", "tp=2", "pp=2", "cp=2", "cp=4", "cp=2,cp_load_balance=false", "cp=2,tp=2",
                "cp=2,pp=2", "tp=2,tp_sequence_parallel=false,tp_loss_parallel=false",
                "pp=2,dp_shard=2,tp=2,pp_schedule=Interleaved1F1B", "activation_checkpoint.mode=selective_op"]
-    layouts += [f"pp=2,pp_schedule={s}" for s in pp_lib.SCHEDULES if s != "1F1B"]
+    layouts += [f"pp=2,pp_schedule={s}" for s in gloo_schedules() if s != "1F1B"]
     report = run_parity(DEBUG, [*layouts, "model.attn_mask=causal"], steps=10,
                         extra=["--model.attn_mask=document", f"--data.path={corpus}", "--training.seq_len=256"])
     print(report.table())

@@ -19,6 +19,17 @@ from trainlib.models.registry import get_model_spec
 from trainlib.parallel.parallel_dims import ParallelDims
 
 
+def _on_cuda(cfg: JobConfig) -> bool:
+    return cfg.job.device == "cuda" or (cfg.job.device == "auto" and torch.cuda.is_available())
+
+
+def _backend(cfg: JobConfig) -> str:
+    """The process-group backend this job will use (as trainlib.distributed.init_distributed resolves it)."""
+    if cfg.comm.backend != "auto":
+        return cfg.comm.backend
+    return "nccl" if _on_cuda(cfg) else "gloo"
+
+
 def resolve_local_batch_size(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int]:
     """(local_batch_size, gradient accumulation steps) for this layout."""
     gbs, dp = cfg.training.global_batch_size, dims.dp
@@ -106,10 +117,7 @@ def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -
                 f"training.seq_len ({cfg.training.seq_len}) must be divisible by parallelism.tp ({tp}) under "
                 f"sequence parallelism; change seq_len or set parallelism.tp_sequence_parallel = false")
         if par.tp_async:
-            import torch
-
-            on_cuda = cfg.job.device == "cuda" or (cfg.job.device == "auto" and torch.cuda.is_available())
-            if not on_cuda:
+            if not _on_cuda(cfg):
                 raise ConfigError(
                     "parallelism.tp_async overlaps TP collectives through CUDA symmetric memory and "
                     "torch.compile; it is not supported on CPU; set parallelism.tp_async = false")
@@ -127,6 +135,10 @@ def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -
     if sched in pp_lib.V_SCHEDULES and per_rank != 2:
         raise ConfigError(f"parallelism.pp_schedule '{sched}' is V-shaped and needs exactly 2 stages per rank, "
                           f"but pp_stages_per_rank = {per_rank}; unset it")
+    if sched in pp_lib.V_SCHEDULES and not pp_lib.V_SCHEDULES_ON_GLOO and _backend(cfg) == "gloo":
+        raise ConfigError(f"parallelism.pp_schedule '{sched}' puts two adjacent stages on one rank, and torch "
+                          f"{torch.__version__}'s pipelining then sends to its own rank, which gloo cannot do; "
+                          f"use torch >= 2.13, comm.backend = 'nccl', or another schedule (e.g. Interleaved1F1B)")
     n_stages = dims.pp * per_rank
     counts = par.pp_layers_per_stage
     if counts:

@@ -49,6 +49,11 @@ SCHEDULES = {
 }
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
+# Before torch 2.13 a schedule's first step sends every stage's neighbours a
+# tensor, also when both stages are on one rank (the V placements); gloo cannot
+# send to its own rank ("Pair is not connected", measured on torch 2.11). torch
+# 2.13 warms up without those sends. NCCL sends to itself.
+V_SCHEDULES_ON_GLOO = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 # These split backward into input-grad and weight-grad passes run at different
 # times. Measured on torch 2.13: combined with FSDP reshard_after_forward=True
 # they train silently wrong from step 2, so that combination is refused.
