@@ -28,7 +28,14 @@ fi
 MASTER_PORT=${MASTER_PORT:-29500}
 RDZV_ID=${RDZV_ID:-${SLURM_JOB_ID:-trainlib}}
 MAX_RESTARTS=${MAX_RESTARTS:-0}
-SIGNALS=(--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1 --shutdown-timeout="${SHUTDOWN_TIMEOUT:-180}")
+SIGNALS=(--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1)
+# torchrun before torch 2.13 (2.11 measured) has no --shutdown-timeout: its grace period is a fixed 30 s.
+if python -m torch.distributed.run --help 2>/dev/null | grep -q -- --shutdown-timeout; then
+  SIGNALS+=(--shutdown-timeout="${SHUTDOWN_TIMEOUT:-180}")
+else
+  echo "launch.sh: this torchrun has no --shutdown-timeout; after SIGTERM/SIGUSR1 the workers get its fixed" \
+    "30 s to save before SIGKILL (torch >= 2.13 takes SHUTDOWN_TIMEOUT)" >&2
+fi
 # One OpenMP thread per rank unless asked otherwise: ranks share the node's cores.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 

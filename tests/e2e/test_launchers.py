@@ -8,7 +8,9 @@ import shutil
 import signal
 import socket
 import subprocess
+import sys
 import time
+from pathlib import Path
 
 from tests.helpers import RECIPES, REPO, run_cli
 from trainlib.checkpoint import complete_steps
@@ -55,6 +57,9 @@ def _free_port() -> int:
 def _clean_env(**kw) -> dict:
     env = {k: v for k, v in os.environ.items()
            if not k.startswith("SLURM_") and k not in ("MASTER_ADDR", "MASTER_PORT", "TRAINLIB_DIR", "NNODES")}
+    # The scripts run `python` from PATH: make it this interpreter (a venv's, another torch's), so a
+    # launched job and the in-process reference it is compared with run the same torch.
+    env["PATH"] = f"{Path(sys.executable).parent}{os.pathsep}{env['PATH']}"
     return env | {k: str(v) for k, v in kw.items()}
 
 
@@ -89,9 +94,10 @@ def _slurm_job(tmp_path, submit_dir, args, popen=False, **env):
     for name, text in (("srun", SRUN), ("scontrol", SCONTROL)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
-    env = _clean_env(PATH=f"{bin_dir}:{os.environ['PATH']}", SLURM_JOB_ID=4242, SLURM_JOB_NAME="trainlib",
+    env = _clean_env(SLURM_JOB_ID=4242, SLURM_JOB_NAME="trainlib",
                      SLURM_JOB_NUM_NODES=2, SLURM_NNODES=2, SLURM_JOB_NODELIST="node[01-02]",
                      SLURM_SUBMIT_DIR=submit_dir, SCONTROL_LOG=tmp_path / "scontrol.log", **env)
+    env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"
     cmd = ["bash", str(spool / "slurm_script"), *args]
     if popen:
         return subprocess.Popen(cmd, cwd=submit_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
