@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from trainlib.errors import ConfigError
-from trainlib.float8 import check_float8_hardware, convert_float8
+from trainlib.float8 import check_float8_hardware, convert_float8, round_like_eager_under_compile
 from trainlib.loss import chunked_cross_entropy_sum, cross_entropy_sum
 from trainlib.models import count_params
 from trainlib.models.registry import get_model_spec, model_args
@@ -58,6 +58,7 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelPar
     param_dtype = torch.float32 if autocast else t.param_dtype  # under autocast the weights stay fp32
     check_float8_hardware(cfg.float8, device)
     convert_float8(model, cfg.float8, fsdp=dims.uses_fsdp(param_dtype))
+    round_like_eager_under_compile(cfg.float8, cfg.compile.enable)
 
     def parallelize(m: nn.Module) -> nn.Module:
         return spec.parallelize(m, dims, cfg.parallelism, param_dtype=param_dtype, reduce_dtype=t.reduce_dtype,

@@ -116,6 +116,36 @@ def refusal(recipe: str, compiled: bool, ac_mode: str, selective_op_policy: str)
     return None
 
 
+def round_like_eager_under_compile(cfg: Float8Config, compiled: bool) -> bool:
+    """Rowwise recipes under torch.compile: make inductor round intermediate
+    low-precision values where eager does (inductor's `emulate_precision_casts`,
+    a process-wide setting read when a graph compiles). Returns whether it was set.
+
+    Why: a block whose activations are recomputed in backward (activation
+    checkpointing) must recompute exactly what its forward computed. Inductor
+    fuses the forward and the recompute into different kernels and, by default,
+    skips the bf16 rounding of values inside a fused kernel, so the recomputed
+    RMSNorm output feeding a float8 cast can differ from the forward's in its
+    last bits. A rowwise scale is that row's amax: one different bit moves the
+    scale and re-rounds the whole row to 3 mantissa bits, so the recomputed K
+    projection no longer matches the K that the saved attention output and
+    logsumexp were computed with, and attention's backward goes wrong.
+    PyTorch tracks this as pytorch/pytorch#150859 (K differed between forward
+    and recompute); TorchTitan sets the same flag for rowwise. It fits what was
+    measured here (only compile + selective_op every_other_mm, the one policy
+    that recomputes wk, went wrong) but has not yet run on a GPU, so the
+    measured combination stays refused (`refusal`) until
+    tests/gpu/test_float8_ac_compile.py shows it fixed."""
+    if not (cfg.enable and compiled and cfg.recipe.startswith("rowwise")):
+        return False
+    import torch._inductor.config as inductor_config
+
+    inductor_config.emulate_precision_casts = True
+    logger.info(f"float8 {cfg.recipe} under compile: inductor rounds intermediate values as eager does "
+                f"(emulate_precision_casts), so activation-checkpoint recompute matches the forward")
+    return True
+
+
 def check_float8_hardware(cfg: Float8Config, device: torch.device) -> None:
     """Refuse early, in one line, where float8 matmuls cannot run."""
     if not cfg.enable or cfg.emulate or device.type != "cuda":

@@ -167,3 +167,29 @@ def test_measured_nan_combination_is_refused_at_setup(recipe):
                                     "activation_checkpoint.mode=full"])
 def test_refusal_is_only_the_measured_combination(change):
     _validate_float8_job([*REFUSED, "float8.recipe=rowwise", change])  # one key away: accepted
+
+
+@pytest.mark.parametrize("recipe,compiled,rounds", [("rowwise", True, True), ("rowwise_with_gw_hp", True, True),
+                                                    ("rowwise", False, False), ("tensorwise", True, False)])
+def test_rowwise_under_compile_makes_inductor_round_like_eager(monkeypatch, recipe, compiled, rounds):
+    """The trainer's build sets inductor's emulate_precision_casts for the rowwise
+    recipes under compile (trainlib.float8.round_like_eager_under_compile: the
+    recompute of a checkpointed block must match its forward), and only there."""
+    import torch._inductor.config as inductor_config
+
+    from trainlib.build import build_model_parts
+    from trainlib.config import load_job_config
+    from trainlib.distributed import destroy_distributed, init_distributed
+    from trainlib.parallel import ParallelDims
+
+    monkeypatch.setattr(inductor_config, "emulate_precision_casts", False)  # restored after the test
+    cfg = load_job_config(None, ["--float8.enable=true", f"--float8.recipe={recipe}", "--float8.min_size=0",
+                                 f"--compile.enable={compiled}"])
+    init_distributed(cfg.comm)
+    try:
+        dims = ParallelDims.from_config(cfg.parallelism, 1)
+        dims.build_mesh("cpu")
+        build_model_parts(cfg, dims, torch.device("cpu"))
+    finally:
+        destroy_distributed()
+    assert inductor_config.emulate_precision_casts is rounds
