@@ -75,6 +75,21 @@ needs_cuda = pytest.mark.skipif(_cuda_problem() is not None, reason=_cuda_proble
 needs_float8_gpu = pytest.mark.skipif(_cuda_problem((8, 9)) is not None, reason=_cuda_problem((8, 9)) or "")
 
 
+def build_on_one_rank(cfg):
+    """trainlib.build.build_model_parts for a world of one (CPU, its own process group, destroyed after)."""
+    from trainlib.build import build_model_parts
+    from trainlib.distributed import destroy_distributed, init_distributed
+    from trainlib.parallel import ParallelDims
+
+    init_distributed(cfg.comm)
+    try:
+        dims = ParallelDims.from_config(cfg.parallelism, 1)
+        dims.build_mesh("cpu")
+        return build_model_parts(cfg, dims, torch.device("cpu"))
+    finally:
+        destroy_distributed()
+
+
 def gloo_schedules() -> list[str]:
     """The pipeline schedules that run on gloo with the installed torch (before
     2.13 the V placements do not: trainlib.parallel.pp.V_SCHEDULES_ON_GLOO)."""

@@ -8,9 +8,8 @@ import pytest
 import torch
 from torch.distributed.fsdp import FSDPModule
 
-from trainlib.build import build_model_parts
+from tests.helpers import build_on_one_rank
 from trainlib.config import load_job_config
-from trainlib.distributed import destroy_distributed, init_distributed
 from trainlib.optim import OptimizerConfig, build_optimizer, implementation_of, resolve_implementation
 from trainlib.parallel import ParallelDims
 from trainlib.train import train
@@ -64,19 +63,13 @@ def test_autocast_on_several_ranks_is_a_one_line_error():
 def test_one_rank_bf16_build(impl, offload):
     cfg = load_job_config(None, ["--training.mixed_precision_param=bfloat16",
                                  f"--training.mixed_precision_impl={impl}", f"--parallelism.fsdp_cpu_offload={offload}"])
-    init_distributed(cfg.comm)
-    try:
-        dims = ParallelDims.from_config(cfg.parallelism, 1)
-        dims.build_mesh("cpu")
-        built = build_model_parts(cfg, dims, torch.device("cpu"))
-        (model,) = built.parts
-        if impl == "auto" and not offload:  # fp32 master weights, no FSDP, bf16 compute by autocast
-            assert built.autocast_dtype == torch.bfloat16 and not isinstance(model, FSDPModule)
-        else:  # asked for, or needed by the CPU offload (FSDP's)
-            assert built.autocast_dtype is None and isinstance(model, FSDPModule)
-        assert {p.dtype for p in model.parameters()} == {torch.float32}  # FSDP's shards are fp32 too
-    finally:
-        destroy_distributed()
+    built = build_on_one_rank(cfg)
+    (model,) = built.parts
+    if impl == "auto" and not offload:  # fp32 master weights, no FSDP, bf16 compute by autocast
+        assert built.autocast_dtype == torch.bfloat16 and not isinstance(model, FSDPModule)
+    else:  # asked for, or needed by the CPU offload (FSDP's)
+        assert built.autocast_dtype is None and isinstance(model, FSDPModule)
+    assert {p.dtype for p in model.parameters()} == {torch.float32}  # FSDP's shards are fp32 too
 
 
 def _cfg(tmp_path, *overrides):

@@ -177,19 +177,10 @@ def test_rowwise_under_compile_makes_inductor_round_like_eager(monkeypatch, reci
     recompute of a checkpointed block must match its forward), and only there."""
     import torch._inductor.config as inductor_config
 
-    from trainlib.build import build_model_parts
+    from tests.helpers import build_on_one_rank
     from trainlib.config import load_job_config
-    from trainlib.distributed import destroy_distributed, init_distributed
-    from trainlib.parallel import ParallelDims
 
     monkeypatch.setattr(inductor_config, "emulate_precision_casts", False)  # restored after the test
-    cfg = load_job_config(None, ["--float8.enable=true", f"--float8.recipe={recipe}", "--float8.min_size=0",
-                                 f"--compile.enable={compiled}"])
-    init_distributed(cfg.comm)
-    try:
-        dims = ParallelDims.from_config(cfg.parallelism, 1)
-        dims.build_mesh("cpu")
-        build_model_parts(cfg, dims, torch.device("cpu"))
-    finally:
-        destroy_distributed()
+    build_on_one_rank(load_job_config(None, ["--float8.enable=true", f"--float8.recipe={recipe}",
+                                             "--float8.min_size=0", f"--compile.enable={compiled}"]))
     assert inductor_config.emulate_precision_casts is rounds
