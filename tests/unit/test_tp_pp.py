@@ -5,7 +5,7 @@ import torch
 
 from tests.helpers import RECIPES
 from trainlib.config import ConfigError, load_job_config
-from trainlib.config.validate import validate_job
+from trainlib.config.validate import validate_job, validate_machine
 from trainlib.models.llama3 import Transformer, get_model_args
 from trainlib.parallel import ParallelDims
 from trainlib.parallel import pp as pp_lib
@@ -70,7 +70,7 @@ def test_unknown_schedule_lists_the_valid_ones():
      "needs at least as many micro-batches as stages"),
     (["--parallelism.pp=2", "--parallelism.pp_schedule=Interleaved1F1B", "--parallelism.pp_microbatches=5",
       "--training.global_batch_size=20"], "must be a multiple of 2 rounds"),
-    (["--parallelism.pp=2", "--parallelism.pp_schedule=InterleavedZeroBubble", "--compile.enable=true"],
+    (["--parallelism.pp=2", "--parallelism.pp_schedule=ZBVZeroBubble", "--compile.enable=true"],
      "not support on compiled blocks"),
 ])
 def test_tp_pp_rules(overrides, match):
@@ -86,20 +86,24 @@ def test_tp_pp_rules(overrides, match):
 def test_v_schedules_on_gloo_refused_before_torch_2_13(monkeypatch, schedule):
     """torch 2.11 crashes on gloo at a V schedule's first step (it sends to its
     own rank): refused at setup there, in one line; allowed on NCCL."""
-    args = ("--parallelism.dp_shard=1", "--parallelism.pp=2", f"--parallelism.pp_schedule={schedule}")
+    args = ["--parallelism.dp_shard=1", "--parallelism.pp=2", f"--parallelism.pp_schedule={schedule}"]
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(pp_lib, "V_SCHEDULES_ON_GLOO", False)
+    cfg, _ = _validate(2, *args)  # a rule of the machine, not of the job: the planner plans it anywhere
     with pytest.raises(ConfigError, match="sends to its own rank, which gloo cannot do; use torch >= 2.13"):
-        _validate(2, *args, "--job.device=cpu")
-    _validate(2, *args, "--comm.backend=nccl")
+        validate_machine(cfg, cpu)
+    with pytest.raises(ConfigError, match="gloo cannot"):
+        validate_machine(load_job_config(DEBUG, [*args, "--comm.backend=gloo"]), cuda)
+    validate_machine(cfg, cuda)  # NCCL
+    validate_machine(load_job_config(DEBUG, [*args[:2], "--parallelism.pp_schedule=Interleaved1F1B"]), cpu)
     monkeypatch.setattr(pp_lib, "V_SCHEDULES_ON_GLOO", True)
-    _validate(2, *args, "--job.device=cpu")
+    validate_machine(cfg, cpu)
 
 
 @pytest.mark.parametrize("schedule", pp_lib.ZERO_BUBBLE_SCHEDULES)
-def test_zero_bubble_refuses_reshard_after_forward(monkeypatch, schedule):
+def test_zero_bubble_refuses_reshard_after_forward(schedule):
     """The trap: zero-bubble schedules + FSDP reshard_after_forward=True train
     silently wrong on torch 2.13. 'always' is refused; 'default' picks False."""
-    monkeypatch.setattr(pp_lib, "V_SCHEDULES_ON_GLOO", True)  # not the rule under test
     with pytest.raises(ConfigError, match="trains silently wrong"):
         _validate(4, "--parallelism.pp=2", "--parallelism.dp_shard=2", f"--parallelism.pp_schedule={schedule}",
                   "--parallelism.fsdp_reshard_after_forward=always")

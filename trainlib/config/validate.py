@@ -19,17 +19,6 @@ from trainlib.models.registry import get_model_spec
 from trainlib.parallel.parallel_dims import ParallelDims
 
 
-def _on_cuda(cfg: JobConfig) -> bool:
-    return cfg.job.device == "cuda" or (cfg.job.device == "auto" and torch.cuda.is_available())
-
-
-def _backend(cfg: JobConfig) -> str:
-    """The process-group backend this job will use (as trainlib.distributed.init_distributed resolves it)."""
-    if cfg.comm.backend != "auto":
-        return cfg.comm.backend
-    return "nccl" if _on_cuda(cfg) else "gloo"
-
-
 def resolve_local_batch_size(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int]:
     """(local_batch_size, gradient accumulation steps) for this layout."""
     gbs, dp = cfg.training.global_batch_size, dims.dp
@@ -93,6 +82,14 @@ def validate_machine(cfg: JobConfig, device: torch.device) -> None:
     if cfg.profiling.enable_memory_snapshot and device.type != "cuda":
         raise ConfigError(f"profiling.enable_memory_snapshot records the CUDA caching allocator; this job runs on "
                           f"{device.type}: set profiling.enable_memory_snapshot = false")
+    from trainlib.parallel import pp as pp_lib
+
+    sched = cfg.parallelism.pp_schedule
+    backend = cfg.comm.backend if cfg.comm.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+    if cfg.parallelism.pp > 1 and sched in pp_lib.V_SCHEDULES and not pp_lib.V_SCHEDULES_ON_GLOO and backend == "gloo":
+        raise ConfigError(f"parallelism.pp_schedule '{sched}' puts two adjacent stages on one rank, and torch "
+                          f"{torch.__version__}'s pipelining then sends to its own rank, which gloo cannot do; "
+                          f"use torch >= 2.13, comm.backend = 'nccl', or another schedule (e.g. Interleaved1F1B)")
 
 
 def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -> None:
@@ -117,7 +114,8 @@ def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -
                 f"training.seq_len ({cfg.training.seq_len}) must be divisible by parallelism.tp ({tp}) under "
                 f"sequence parallelism; change seq_len or set parallelism.tp_sequence_parallel = false")
         if par.tp_async:
-            if not _on_cuda(cfg):
+            on_cuda = cfg.job.device == "cuda" or (cfg.job.device == "auto" and torch.cuda.is_available())
+            if not on_cuda:
                 raise ConfigError(
                     "parallelism.tp_async overlaps TP collectives through CUDA symmetric memory and "
                     "torch.compile; it is not supported on CPU; set parallelism.tp_async = false")
@@ -135,10 +133,6 @@ def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -
     if sched in pp_lib.V_SCHEDULES and per_rank != 2:
         raise ConfigError(f"parallelism.pp_schedule '{sched}' is V-shaped and needs exactly 2 stages per rank, "
                           f"but pp_stages_per_rank = {per_rank}; unset it")
-    if sched in pp_lib.V_SCHEDULES and not pp_lib.V_SCHEDULES_ON_GLOO and _backend(cfg) == "gloo":
-        raise ConfigError(f"parallelism.pp_schedule '{sched}' puts two adjacent stages on one rank, and torch "
-                          f"{torch.__version__}'s pipelining then sends to its own rank, which gloo cannot do; "
-                          f"use torch >= 2.13, comm.backend = 'nccl', or another schedule (e.g. Interleaved1F1B)")
     n_stages = dims.pp * per_rank
     counts = par.pp_layers_per_stage
     if counts:
