@@ -91,11 +91,13 @@ def build_on_one_rank(cfg):
 
 
 def gloo_schedules() -> list[str]:
-    """The pipeline schedules that run on gloo with the installed torch (before
-    2.13 the V placements do not: trainlib.parallel.pp.V_SCHEDULES_ON_GLOO)."""
+    """The pipeline schedules that run on gloo with the installed torch and the
+    default (chunked) loss. Before torch 2.13 the V placements do not, nor the
+    zero-bubble schedules with the chunked loss (trainlib.parallel.pp)."""
     from trainlib.parallel import pp
 
-    return [s for s in pp.SCHEDULES if pp.V_SCHEDULES_ON_GLOO or s not in pp.V_SCHEDULES]
+    return [s for s in pp.SCHEDULES if (pp.V_SCHEDULES_ON_GLOO or s not in pp.V_SCHEDULES)
+            and (pp.ZERO_BUBBLE_WITH_CHUNKED_LOSS or s not in pp.ZERO_BUBBLE_SCHEDULES)]
 
 
 def _entry(rank, fn, world, store_path, err_dir, args):

@@ -90,6 +90,12 @@ def validate_machine(cfg: JobConfig, device: torch.device) -> None:
         raise ConfigError(f"parallelism.pp_schedule '{sched}' puts two adjacent stages on one rank, and torch "
                           f"{torch.__version__}'s pipelining then sends to its own rank, which gloo cannot do; "
                           f"use torch >= 2.13, comm.backend = 'nccl', or another schedule (e.g. Interleaved1F1B)")
+    if (cfg.parallelism.pp > 1 and sched in pp_lib.ZERO_BUBBLE_SCHEDULES and cfg.loss.chunked
+            and not pp_lib.ZERO_BUBBLE_WITH_CHUNKED_LOSS):
+        raise ConfigError(f"parallelism.pp_schedule '{sched}' splits backward into input and weight passes, and "
+                          f"torch {torch.__version__}'s input pass fails on the chunked loss (a custom autograd "
+                          f"Function); use torch >= 2.13, set loss.chunked = false, or use a schedule without the "
+                          f"split (e.g. Interleaved1F1B)")
 
 
 def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -> None:
