@@ -54,6 +54,11 @@ def resolve_device(kind: str, local_rank: int) -> torch.device:
     return torch.device("cpu")
 
 
+def resolve_backend(backend: str, device: torch.device) -> str:
+    """comm.backend as the process group gets it: "auto" is NCCL on CUDA, gloo elsewhere."""
+    return backend if backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
+
+
 def init_distributed(cfg: CommConfig, device: str = "auto", dump_dir: str | os.PathLike | None = None) -> DistInfo:
     """Initialise the default process group. Without torchrun's environment,
     a world of one with an in-process store: every code path (meshes, DTensor,
@@ -64,7 +69,7 @@ def init_distributed(cfg: CommConfig, device: str = "auto", dump_dir: str | os.P
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     dev = resolve_device(device, local_rank)
-    backend = cfg.backend if cfg.backend != "auto" else ("nccl" if dev.type == "cuda" else "gloo")
+    backend = resolve_backend(cfg.backend, dev)
     if backend == "nccl" and dev.type != "cuda":
         raise ConfigError("comm.backend = 'nccl' needs job.device = 'cuda'; use 'gloo' on CPU")
     if dist.is_initialized():

@@ -3,6 +3,7 @@
 import pytest
 
 from tests.helpers import RECIPES, gloo_schedules
+from trainlib.parallel import pp as pp_lib
 from trainlib.parity import run_parity
 
 DEBUG = str(RECIPES / "debug.toml")
@@ -24,7 +25,7 @@ def test_parity_tp_pp_default():
 
 @pytest.mark.slow
 def test_parity_tp_pp_all_layouts():
-    layouts = [f"pp=2,pp_schedule={s}" for s in gloo_schedules() if s != "1F1B"]
+    layouts = [f"pp=2,pp_schedule={s}" for s in pp_lib.SCHEDULES if s != "1F1B"]
     layouts += [
         "tp=2",
         "pp=2",
@@ -36,8 +37,8 @@ def test_parity_tp_pp_all_layouts():
         "pp=2,dp_shard=2,pp_schedule=DualPipeV",
         "pp=2,dp_shard=2,tp=2,pp_schedule=Interleaved1F1B",  # 3-D
     ]
-    layouts = [x for x in layouts
-               if "pp_schedule=" not in x or x.split("pp_schedule=")[1].split(",")[0] in gloo_schedules()]
+    runnable = gloo_schedules()
+    layouts = [x for x in layouts if "pp_schedule=" not in x or x.split("pp_schedule=")[1].split(",")[0] in runnable]
     _assert_parity(run_parity(DEBUG, layouts, steps=10))
 
 

@@ -82,11 +82,12 @@ def validate_machine(cfg: JobConfig, device: torch.device) -> None:
     if cfg.profiling.enable_memory_snapshot and device.type != "cuda":
         raise ConfigError(f"profiling.enable_memory_snapshot records the CUDA caching allocator; this job runs on "
                           f"{device.type}: set profiling.enable_memory_snapshot = false")
+    from trainlib.distributed import resolve_backend
     from trainlib.parallel import pp as pp_lib
 
     sched = cfg.parallelism.pp_schedule
-    backend = cfg.comm.backend if cfg.comm.backend != "auto" else ("nccl" if device.type == "cuda" else "gloo")
-    if cfg.parallelism.pp > 1 and sched in pp_lib.V_SCHEDULES and not pp_lib.V_SCHEDULES_ON_GLOO and backend == "gloo":
+    if (cfg.parallelism.pp > 1 and sched in pp_lib.V_SCHEDULES and not pp_lib.V_SCHEDULES_ON_GLOO
+            and resolve_backend(cfg.comm.backend, device) == "gloo"):
         raise ConfigError(f"parallelism.pp_schedule '{sched}' puts two adjacent stages on one rank, and torch "
                           f"{torch.__version__}'s pipelining then sends to its own rank, which gloo cannot do; "
                           f"use torch >= 2.13, comm.backend = 'nccl', or another schedule (e.g. Interleaved1F1B)")
