@@ -8,7 +8,7 @@ from collections.abc import Iterable
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Replicate
 
 
 @torch.no_grad()
@@ -22,8 +22,13 @@ def clip_grad_norm_(
     squared norms of all stages are summed over `pp_mesh` too; clipping per
     stage would give each stage a different scale and a different model.
     `max_norm <= 0` measures without clipping.
+
+    Pending-sum (`Partial`) gradients, which TP leaves on the weights of
+    sequence-parallel norms when no FSDP reduces them, are summed first
+    (`resolve_partial_grads`), so every gradient leaves here final.
     """
     params = [p for p in params if p.grad is not None]
+    resolve_partial_grads(params)
     grads = [p.grad for p in params]
     if grads:
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
@@ -38,6 +43,48 @@ def clip_grad_norm_(
     if max_norm > 0 and grads and math.isfinite(max_norm):
         torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
     return norm
+
+
+@torch.no_grad()
+def resolve_partial_grads(params: Iterable[torch.Tensor]) -> None:
+    """Replace every gradient held as a pending sum (a DTensor with a
+    `Partial("sum")` placement) by its summed value, with one all-reduce per
+    mesh dimension for all of them together.
+
+    Why not leave it to DTensor: torch 2.11's `_foreach_mul_` on a Partial
+    DTensor leaves it unchanged, silently (measured: torch 2.13 scales it), and
+    `clip_grads_with_norm_` scales through `_foreach_mul_`, so those
+    gradients went unclipped. The optimizer would sum them anyway, once per
+    op that reads them; summing here once is cheaper and the same everywhere.
+    """
+    groups: dict[tuple, list[torch.Tensor]] = {}
+    for p in params:
+        g = p.grad
+        if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
+            groups.setdefault((g.device_mesh, tuple(g.placements), g.dtype), []).append(p)
+    for (mesh, placements, _), ps in groups.items():
+        if not all(pl.is_partial("sum") for pl in placements if pl.is_partial()):
+            for p in ps:  # a reduction other than sum: DTensor's own, one tensor at a time
+                p.grad = p.grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in placements])
+            continue
+        locals_ = [p.grad.to_local() for p in ps]
+        flat = torch.cat([t.reshape(-1) for t in locals_])
+        for dim, pl in enumerate(placements):
+            if pl.is_partial():
+                dist.all_reduce(flat, group=mesh.get_group(dim))
+        resolved = [Replicate() if pl.is_partial() else pl for pl in placements]
+        for p, t, piece in zip(ps, locals_, flat.split([t.numel() for t in locals_])):
+            # The pieces are contiguous; the global shape comes from the gradient (shards may be uneven).
+            p.grad = DTensor.from_local(piece.view_as(t), mesh, resolved, run_check=False,
+                                        shape=p.grad.shape, stride=_contiguous_stride(p.grad.shape))
+
+
+def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
+    stride, step = [], 1
+    for n in reversed(shape):
+        stride.append(step)
+        step *= n
+    return tuple(reversed(stride))
 
 
 def _device_of(mesh: DeviceMesh | None) -> str:
