@@ -11,6 +11,7 @@ import itertools
 import pytest
 
 from tests.helpers import RECIPES
+from trainlib.float8 import CPU_ROWWISE_MATMULS
 from trainlib.models.llama3 import get_model_args
 from trainlib.parity import run_parity
 
@@ -67,7 +68,8 @@ def test_float8_recipes_are_applied_distinct_and_track_fp32():
 @pytest.mark.slow
 def test_float8_real_matmuls_match_emulation_and_fsdp_all_gather_matches_high_precision():
     # ~170 s on 2 cores: every real step runs torch._scaled_mm on CPU (3.6 s per step).
-    recipes = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
+    # Before torch 2.13 the CPU matmul has no row scales: the rowwise recipes are refused at setup (unit test).
+    recipes = ("tensorwise", "rowwise", "rowwise_with_gw_hp") if CPU_ROWWISE_MATMULS else ("tensorwise",)
     layouts = [f"float8.enable=true,float8.recipe={r}{e}" for r in recipes for e in (",float8.emulate=true", "")]
     layouts += [f"dp_shard=2,{F8}", f"dp_shard=2,{F8},float8.fsdp_float8_all_gather=false"]
     report = run_parity(DEBUG, layouts, steps=3, extra=SMALL)

@@ -4,6 +4,7 @@ scaling, and a clear refusal on old GPUs."""
 import pytest
 import torch
 
+from trainlib import float8 as float8_lib
 from trainlib.float8 import (
     Float8Config,
     check_float8_hardware,
@@ -46,6 +47,29 @@ def test_gpu_without_float8_is_refused_clearly(monkeypatch):
     check_float8_hardware(Float8Config(enable=True, emulate=True), torch.device("cuda"))  # emulation: allowed
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     check_float8_hardware(Float8Config(enable=True), torch.device("cuda"))
+
+
+@pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
+def test_rowwise_on_a_cpu_torch_without_row_scaled_matmuls_is_refused(monkeypatch, recipe):
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(float8_lib, "CPU_ROWWISE_MATMULS", False)  # torch 2.11
+    with pytest.raises(ValueError, match=rf"float8.recipe '{recipe}'.*float8.emulate=true"):
+        check_float8_hardware(Float8Config(enable=True, recipe=recipe), cpu)
+    check_float8_hardware(Float8Config(enable=True, recipe=recipe, emulate=True), cpu)
+    check_float8_hardware(Float8Config(enable=True, recipe="tensorwise"), cpu)
+    monkeypatch.setattr(float8_lib, "CPU_ROWWISE_MATMULS", True)
+    check_float8_hardware(Float8Config(enable=True, recipe=recipe), cpu)
+
+
+def test_cpu_rowwise_flag_tells_the_truth_about_this_torch():
+    model = torch.nn.Sequential(torch.nn.Linear(32, 32))
+    convert_float8(model, Float8Config(enable=True, recipe="rowwise", min_size=0), fsdp=False)
+    x = torch.randn(16, 32)
+    if float8_lib.CPU_ROWWISE_MATMULS:
+        assert torch.isfinite(model(x)).all()
+    else:
+        with pytest.raises(RuntimeError, match="per-tensor scaling"):
+            model(x)
 
 
 # Per recipe, how each of a Float8Linear's six casts scales (written out from
@@ -182,6 +206,7 @@ def test_rowwise_under_compile_makes_inductor_round_like_eager(recipe, compiled,
 
     # The config module's own patch (pytest's monkeypatch undo hides the key on torch 2.11's config module).
     with inductor_config.patch(emulate_precision_casts=False):
-        build_on_one_rank(load_job_config(None, ["--float8.enable=true", f"--float8.recipe={recipe}",
+        build_on_one_rank(load_job_config(None, ["--float8.enable=true", "--float8.emulate=true",
+                                                 f"--float8.recipe={recipe}",
                                                  "--float8.min_size=0", f"--compile.enable={compiled}"]))
         assert inductor_config.emulate_precision_casts is rounds
