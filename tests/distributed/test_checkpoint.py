@@ -57,3 +57,31 @@ def test_async_save_snapshots_state_at_save_time(tmp_path, mode):
     assert complete_steps(tmp_path / "checkpoint") == [1]
 
 
+
+
+def _process_mode_worker(rank, world, folder):
+    import multiprocessing
+
+    from trainlib.checkpoint import CheckpointConfig, Checkpointer, ModelState, OptimizerState, TrainState
+    from trainlib.optim import OptimizerConfig, build_optimizer
+
+    model = torch.nn.Linear(16, 16)
+    opt = build_optimizer([model], OptimizerConfig())
+    ck = Checkpointer(CheckpointConfig(enable=True, interval=1, async_mode="async_with_pinned_mem"), folder,
+                      {"model": ModelState([model]), "optimizer": OptimizerState([model], opt),
+                       "trainer": TrainState()})
+    for step in (1, 2, 3):
+        model(torch.randn(2, 16)).sum().backward()
+        opt.step()
+        ck.maybe_save(step, last_step=3)
+    ck.close()
+    assert not multiprocessing.active_children(), "the checkpoint writer process outlived close()"
+
+
+def test_process_mode_saves_more_than_once_and_its_writer_stops_at_close(tmp_path):
+    """torch 2.11's stager works once (its second save failed); DCP's writer
+    process, left to interpreter exit, printed an EOFError traceback there."""
+    from tests.helpers import spawn
+
+    spawn(_process_mode_worker, 1, str(tmp_path))
+    assert complete_steps(tmp_path / "checkpoint") == [1, 2, 3]
