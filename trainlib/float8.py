@@ -147,21 +147,16 @@ def round_like_eager_under_compile(cfg: Float8Config, compiled: bool) -> bool:
 
 
 # torch 2.11's CPU torch._scaled_mm takes one scale per tensor only (an
-# internal assert at the first rowwise matmul, measured); 2.13's takes row scales.
+# internal assert at the first rowwise matmul, measured); 2.13's takes row
+# scales. A rule of the machine (trainlib.config.validate.validate_machine),
+# not of the build: the planner builds every job on the CPU.
 CPU_ROWWISE_MATMULS = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 
 
 def check_float8_hardware(cfg: Float8Config, device: torch.device) -> None:
     """Refuse early, in one line, where float8 matmuls cannot run."""
-    if not cfg.enable or cfg.emulate:
-        return  # emulation runs anywhere
-    if device.type == "cpu" and cfg.recipe != "tensorwise" and not CPU_ROWWISE_MATMULS:
-        raise ConfigError(
-            f"float8.recipe '{cfg.recipe}' needs row-scaled float8 matmuls, which torch {torch.__version__} does "
-            f"not have on CPU (torch >= 2.13 does); set float8.emulate=true to test its numerics, use "
-            f"float8.recipe='tensorwise', or torch >= 2.13")
-    if device.type != "cuda":
-        return
+    if not cfg.enable or cfg.emulate or device.type != "cuda":
+        return  # CPU: see CPU_ROWWISE_MATMULS (validate_machine); emulation runs anywhere
     cap = torch.cuda.get_device_capability(device)
     if cap < (8, 9):
         raise ConfigError(

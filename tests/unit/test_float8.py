@@ -51,14 +51,24 @@ def test_gpu_without_float8_is_refused_clearly(monkeypatch):
 
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
 def test_rowwise_on_a_cpu_torch_without_row_scaled_matmuls_is_refused(monkeypatch, recipe):
+    from trainlib.config import load_job_config
+    from trainlib.config.validate import validate_machine
+    from trainlib.plan import make_plan
+
+    def job(*extra):
+        return load_job_config(None, ["--float8.enable=true", f"--float8.recipe={recipe}", *extra])
+
     cpu = torch.device("cpu")
     monkeypatch.setattr(float8_lib, "CPU_ROWWISE_MATMULS", False)  # torch 2.11
     with pytest.raises(ValueError, match=rf"float8.recipe '{recipe}'.*float8.emulate=true"):
-        check_float8_hardware(Float8Config(enable=True, recipe=recipe), cpu)
-    check_float8_hardware(Float8Config(enable=True, recipe=recipe, emulate=True), cpu)
-    check_float8_hardware(Float8Config(enable=True, recipe="tensorwise"), cpu)
+        validate_machine(job(), cpu)
+    validate_machine(job("--float8.emulate=true"), cpu)
+    validate_machine(load_job_config(None, ["--float8.enable=true", "--float8.recipe=tensorwise"]), cpu)
+    validate_machine(job(), torch.device("cuda"))  # a rule of the CPU's matmul only
+    # The planner builds on the CPU whatever machine it plans for: no refusal there.
+    assert make_plan(None, 1, overrides=["float8.enable=true", f"float8.recipe={recipe}", "float8.min_size=0"])
     monkeypatch.setattr(float8_lib, "CPU_ROWWISE_MATMULS", True)
-    check_float8_hardware(Float8Config(enable=True, recipe=recipe), cpu)
+    validate_machine(job(), cpu)
 
 
 def test_cpu_rowwise_flag_tells_the_truth_about_this_torch():

@@ -13,6 +13,7 @@ import inspect
 import torch
 
 from trainlib.config.job import JobConfig
+from trainlib import float8 as float8_lib
 from trainlib.config.loader import ConfigError
 from trainlib.models.llama3.model import ModelArgs
 from trainlib.models.registry import get_model_spec
@@ -82,6 +83,13 @@ def validate_machine(cfg: JobConfig, device: torch.device) -> None:
     if cfg.profiling.enable_memory_snapshot and device.type != "cuda":
         raise ConfigError(f"profiling.enable_memory_snapshot records the CUDA caching allocator; this job runs on "
                           f"{device.type}: set profiling.enable_memory_snapshot = false")
+    f8 = cfg.float8
+    if (f8.enable and not f8.emulate and f8.recipe != "tensorwise" and device.type == "cpu"
+            and not float8_lib.CPU_ROWWISE_MATMULS):
+        raise ConfigError(
+            f"float8.recipe '{f8.recipe}' needs row-scaled float8 matmuls, which torch {torch.__version__} does "
+            f"not have on CPU (torch >= 2.13 does); set float8.emulate=true to test its numerics, use "
+            f"float8.recipe='tensorwise', or torch >= 2.13")
     from trainlib.distributed import resolve_backend
     from trainlib.parallel import pp as pp_lib
 
