@@ -16,7 +16,7 @@ from tests.helpers import spawn
 from trainlib.parallel import clip_grad_norm_
 
 
-def _param(mesh, full_grad, rank, placements, local_grad):
+def _param(mesh, full_grad, placements, local_grad):
     p = torch.nn.Parameter(DTensor.from_local(torch.zeros_like(local_grad), mesh, placements, run_check=False,
                                               shape=full_grad.shape, stride=full_grad.stride()))
     p.grad = DTensor.from_local(local_grad, mesh, placements, run_check=False,
@@ -24,27 +24,32 @@ def _param(mesh, full_grad, rank, placements, local_grad):
     return p
 
 
-def _check_clip(rank, world, max_norm):
+def _check_clip(rank, world):
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("a", "b"))
+    _check_clip_on(mesh, 1.0)  # the norm is ~8: clipping scales by ~1/8
+    _check_clip_on(mesh, 0.0)  # measuring only: pending gradients are still summed
+
+
+def _check_clip_on(mesh, max_norm):
     a, b = mesh["a"].get_local_rank(), mesh["b"].get_local_rank()
     gen = torch.Generator().manual_seed(0)
     full, params = [], []
     # A norm weight's gradient under TP+SP: replicated on a, pending sum over b.
     parts = [torch.randn(6, generator=gen) for _ in range(2)]
     full.append(parts[0] + parts[1])
-    params.append(_param(mesh, full[-1], rank, [Replicate(), Partial()], parts[b].clone()))
+    params.append(_param(mesh, full[-1], [Replicate(), Partial()], parts[b].clone()))
     # Sharded over a (5 rows: uneven) and pending sum over b.
     parts = [torch.randn(5, 3, generator=gen) for _ in range(2)]
     full.append(parts[0] + parts[1])
-    params.append(_param(mesh, full[-1], rank, [Shard(0), Partial()], parts[b][:3].clone() if a == 0
+    params.append(_param(mesh, full[-1], [Shard(0), Partial()], parts[b][:3].clone() if a == 0
                          else parts[b][3:].clone()))
     # Pending sums over both dimensions.
     parts = [[torch.randn(4, generator=gen) for _ in range(2)] for _ in range(2)]
     full.append(sum(parts[i][j] for i in range(2) for j in range(2)))
-    params.append(_param(mesh, full[-1], rank, [Partial(), Partial()], parts[a][b].clone()))
+    params.append(_param(mesh, full[-1], [Partial(), Partial()], parts[a][b].clone()))
     # Already final: replicated.
     full.append(torch.randn(3, 2, generator=gen))
-    params.append(_param(mesh, full[-1], rank, [Replicate(), Replicate()], full[-1].clone()))
+    params.append(_param(mesh, full[-1], [Replicate(), Replicate()], full[-1].clone()))
 
     norm = clip_grad_norm_(params, max_norm)
     want = math.sqrt(sum(float((g * g).sum()) for g in full))
@@ -57,9 +62,5 @@ def _check_clip(rank, world, max_norm):
         torch.testing.assert_close(p.grad.full_tensor(), g * coef, rtol=1e-6, atol=1e-7, msg=f"gradient {i}")
 
 
-def test_clip_scales_pending_sum_gradients():
-    spawn(_check_clip, 4, 1.0)  # the norm is ~8: clipping scales by ~1/8
-
-
-def test_measuring_without_clipping_still_sums_pending_gradients():
-    spawn(_check_clip, 4, 0.0)
+def test_clip_scales_pending_sum_gradients_and_leaves_none_pending():
+    spawn(_check_clip, 4)
