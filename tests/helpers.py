@@ -116,8 +116,8 @@ def _entry(rank, fn, world, store_path, err_dir, args):
         if dist.is_initialized():
             # Free what fn built (pipeline stages and meshes sit in reference cycles) while the
             # process groups exist, as trainlib.train does: freed after them, a rank aborted
-            # at exit now and then ("terminate called without an active exception", ~1 in 5
-            # runs of test_init_matches_single_process; 0 in 20 with this).
+            # at exit now and then ("terminate called without an active exception", 1 in 8
+            # and 3 in 16 runs of test_init_matches_single_process; 0 in 20 with this).
             gc.collect()
             dist.destroy_process_group()
 

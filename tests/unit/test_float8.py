@@ -216,7 +216,6 @@ def test_rowwise_under_compile_makes_inductor_round_like_eager(recipe, compiled,
 
     # The config module's own patch (pytest's monkeypatch undo hides the key on torch 2.11's config module).
     with inductor_config.patch(emulate_precision_casts=False):
-        build_on_one_rank(load_job_config(None, ["--float8.enable=true", "--float8.emulate=true",
-                                                 f"--float8.recipe={recipe}",
+        build_on_one_rank(load_job_config(None, ["--float8.enable=true", f"--float8.recipe={recipe}",
                                                  "--float8.min_size=0", f"--compile.enable={compiled}"]))
         assert inductor_config.emulate_precision_casts is rounds

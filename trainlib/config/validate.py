@@ -12,8 +12,8 @@ import inspect
 
 import torch
 
-from trainlib.config.job import JobConfig
 from trainlib import float8 as float8_lib
+from trainlib.config.job import JobConfig
 from trainlib.config.loader import ConfigError
 from trainlib.models.llama3.model import ModelArgs
 from trainlib.models.registry import get_model_spec
