@@ -57,8 +57,6 @@ def test_async_save_snapshots_state_at_save_time(tmp_path, mode):
     assert complete_steps(tmp_path / "checkpoint") == [1]
 
 
-
-
 def _process_mode_worker(rank, world, folder):
     import multiprocessing
 

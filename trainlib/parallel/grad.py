@@ -64,16 +64,16 @@ def resolve_partial_grads(params: Iterable[torch.Tensor]) -> None:
         if isinstance(g, DTensor) and any(pl.is_partial() for pl in g.placements):
             groups.setdefault((g.device_mesh, tuple(g.placements), g.dtype), []).append(p)
     for (mesh, placements, _), ps in groups.items():
+        resolved = [Replicate() if pl.is_partial() else pl for pl in placements]
         if not all(pl.is_partial("sum") for pl in placements if pl.is_partial()):
             for p in ps:  # a reduction other than sum: DTensor's own, one tensor at a time
-                p.grad = p.grad.redistribute(placements=[Replicate() if pl.is_partial() else pl for pl in placements])
+                p.grad = p.grad.redistribute(placements=resolved)
             continue
         locals_ = [p.grad.to_local() for p in ps]
         flat = torch.cat([t.reshape(-1) for t in locals_])
         for dim, pl in enumerate(placements):
             if pl.is_partial():
                 dist.all_reduce(flat, group=mesh.get_group(dim))
-        resolved = [Replicate() if pl.is_partial() else pl for pl in placements]
         for p, t, piece in zip(ps, locals_, flat.split([t.numel() for t in locals_])):
             # The pieces are contiguous; the global shape comes from the gradient (shards may be uneven).
             p.grad = DTensor.from_local(piece.view_as(t), mesh, resolved, run_check=False,
