@@ -19,7 +19,7 @@ from torch import nn
 
 from trainlib.errors import ConfigError
 from trainlib.float8 import check_float8_hardware, convert_float8, round_like_eager_under_compile
-from trainlib.loss import chunked_cross_entropy_sum, cross_entropy_sum
+from trainlib.loss import chunked_cross_entropy_sum, cross_entropy_sum, resolve_chunk_tokens
 from trainlib.models import count_params
 from trainlib.models.registry import get_model_spec, model_args
 from trainlib.parallel.compile import maybe_compile_loss
@@ -39,6 +39,7 @@ class ModelParts:
     # Run the forward and the loss under torch.autocast(device, this dtype)
     # (the weights stay fp32); None: FSDP casts the parameters, or fp32.
     autocast_dtype: torch.dtype | None = None
+    loss_chunk_tokens: int | None = None  # loss.chunk_tokens resolved; None: whole logits
 
 
 def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelParts:
@@ -72,12 +73,21 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelPar
                 f"a {type(model.output).__name__} (float8.filter_fqns={cfg.float8.filter_fqns} does not exclude "
                 f"'output'); add 'output' to float8.filter_fqns or set loss.chunked=false")
         model.output_in_forward = False
-        loss_fn = partial(chunked_cross_entropy_sum, output=model.output, chunk_tokens=cfg.loss.chunk_tokens,
+        chunk_tokens = loss_chunk_tokens(cfg, args.vocab_size, dims.tp, device.type)
+        loss_fn = partial(chunked_cross_entropy_sum, output=model.output, chunk_tokens=chunk_tokens,
                           ce=loss_fn, loss_parallel=cfg.parallelism.tp_loss_parallel)
+    else:
+        chunk_tokens = None
     if dims.pp_enabled:  # this rank's stages, each parallelized like a whole model
         pipeline = build_pipeline(model, dims, cfg.parallelism, device, parallelize, loss_fn)
-        return ModelParts(pipeline.model_parts, pipeline, args, n_params, loss_fn, autocast)
-    return ModelParts([parallelize(model)], None, args, n_params, loss_fn, autocast)
+        return ModelParts(pipeline.model_parts, pipeline, args, n_params, loss_fn, autocast, chunk_tokens)
+    return ModelParts([parallelize(model)], None, args, n_params, loss_fn, autocast, chunk_tokens)
+
+
+def loss_chunk_tokens(cfg, vocab_size: int, tp: int, device_type: str) -> int:
+    """`loss.chunk_tokens` with auto (0) resolved for the device and this rank's vocabulary share."""
+    vocab_local = vocab_size // tp if cfg.parallelism.tp_loss_parallel else vocab_size
+    return resolve_chunk_tokens(cfg.loss.chunk_tokens, device_type, vocab_local)
 
 
 def describe_choices(cfg, built: ModelParts, optimizer_impl: str) -> str:
@@ -93,7 +103,8 @@ def describe_choices(cfg, built: ModelParts, optimizer_impl: str) -> str:
     parts = [
         f"adamw {optimizer_impl}" + (" (auto)" if cfg.optimizer.implementation == "auto" else ""),
         precision,
-        f"loss chunked by {cfg.loss.chunk_tokens} tokens" if cfg.loss.chunked else "loss on whole logits",
+        (f"loss chunked by {built.loss_chunk_tokens} tokens" + ("" if cfg.loss.chunk_tokens else " (auto)"))
+        if built.loss_chunk_tokens else "loss on whole logits",
         f"AC {ac.mode}" + (f" ({ac.selective_op_policy})" if ac.mode == "selective_op" else ""),
         ("compile blocks" + (" + loss" if cfg.compile.loss else "")) if cfg.compile.enable else "eager",
         f"float8 {cfg.float8.recipe}" if cfg.float8.enable else "no float8",

@@ -31,13 +31,38 @@ class LossConfig:
     # whole logits, then the cross-entropy (about 3 fp32 [tokens, vocab]
     # tensors at once at the loss).
     chunked: bool = True
-    # Tokens per chunk: a chunk's transient memory is about 3 fp32
-    # [chunk_tokens, vocab / tp] tensors (256 x 128256: 0.4 GB).
-    chunk_tokens: int = 256
+    # Tokens per chunk; 0 = auto (resolve_chunk_tokens: 256 on CPU, up to
+    # 2048 on CUDA). A chunk's transient memory is about 4 fp32
+    # [chunk_tokens, vocab / tp] tensors (256 x 128256: 0.5 GB).
+    chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
-        if self.chunk_tokens < 1:
-            raise ConfigError(f"loss.chunk_tokens must be >= 1, got {self.chunk_tokens}")
+        if self.chunk_tokens < 0:
+            raise ConfigError(f"loss.chunk_tokens must be >= 1, or 0 for auto; got {self.chunk_tokens}")
+
+
+# Auto chunk sizes. On CPU memory is what binds (issue 11: 8192 tokens of
+# Llama 3's vocabulary under 2 GiB of process peak). On a GPU every chunk
+# reads and writes the whole fp32 [vocab, dim] weight-gradient accumulator
+# (4.2 GB for Llama 3 8B's output layer), and a chunk of few tokens makes
+# the dh = g W matmul a thin one, so fewer, larger chunks are faster: 2048
+# tokens, or fewer where that chunk's fp32 logits would pass 1 GiB.
+CPU_CHUNK_TOKENS = 256
+GPU_CHUNK_TOKENS = 2048
+GPU_CHUNK_LOGITS_BYTES = 1 << 30
+
+
+def resolve_chunk_tokens(chunk_tokens: int, device_type: str, vocab_local: int) -> int:
+    """`loss.chunk_tokens`, with 0 (auto) resolved for the device and this
+    rank's share of the vocabulary (vocab / tp under loss parallelism)."""
+    if chunk_tokens:
+        return chunk_tokens
+    if device_type != "cuda":
+        return CPU_CHUNK_TOKENS
+    tokens = GPU_CHUNK_TOKENS
+    while tokens > CPU_CHUNK_TOKENS and 4 * tokens * vocab_local > GPU_CHUNK_LOGITS_BYTES:
+        tokens //= 2
+    return tokens
 
 
 def cross_entropy_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -68,10 +93,12 @@ def chunked_cross_entropy_sum(h: torch.Tensor, labels: torch.Tensor, *, output: 
     in the caller's `loss_parallel()` context; `loss_parallel=False` gathers
     them first (parallelism.tp_loss_parallel=false). Matmuls follow the
     ambient autocast's dtype (the weight is cast once, not per chunk). Each
-    chunk's gradients are computed in the forward,
-    right after its loss: the logits chunk and its gradient live for one
-    chunk, nothing is recomputed, and the weight gradient accumulates inside
-    the GEMM (addmm), in the logits' dtype.
+    chunk's gradients are computed in the forward, right after its loss: the
+    logits chunk and its gradient live for one chunk, and nothing is
+    recomputed. The weight gradient is summed over chunks in fp32 (or
+    fp64) whatever the matmul dtype, then held in the weight's dtype: a bf16
+    running sum over many chunks would lose bits with every chunk, where the
+    whole-logits matmul rounds once.
     """
     if isinstance(h, DTensor):  # sequence shards under SP: the projection needs every token anyway
         h = h.full_tensor()
@@ -113,7 +140,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def forward(ctx, h, weight, labels, ce, chunk_tokens, loss_parallel):
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
         w = _compute_weight(weight)
-        grad_w = torch.zeros_like(w) if ctx.needs_input_grad[1] else None
+        acc_dtype = torch.promote_types(w.dtype, torch.float32)
+        grad_w = torch.zeros_like(w, dtype=acc_dtype) if ctx.needs_input_grad[1] else None
         losses = []
         start = 0
         for hc, lc in zip(h.split(chunk_tokens), labels.split(chunk_tokens)):
@@ -126,12 +154,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if grad_h is not None:
                 dh = g @ w
                 grad_h[start:start + hc.shape[0]] = dh.full_tensor() if isinstance(dh, DTensor) else dh
-            if grad_w is not None:
+            if grad_w is None:
+                pass
+            elif g.dtype == acc_dtype:
                 grad_w.addmm_(g.T, x)
+            else:  # the chunk's product rounds once to bf16/fp16; the running sum stays fp32
+                grad_w += g.T @ x
             losses.append(loss.detach())
             start += hc.shape[0]
-        ctx.save_for_backward(grad_h, grad_w)
-        ctx.weight_dtype = weight.dtype
+        # Held until the backward in the parameter's dtype, as its gradient will be.
+        ctx.save_for_backward(grad_h, None if grad_w is None else grad_w.to(weight.dtype))
         return torch.stack(losses).sum()
 
     @staticmethod
@@ -140,7 +172,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # Out of place: zero-bubble pipeline schedules run this backward twice
         # (input gradients, then weight gradients).
         return (None if grad_h is None else grad_h * grad_loss,
-                None if grad_w is None else (grad_w * grad_loss).to(ctx.weight_dtype), None, None, None, None)
+                None if grad_w is None else grad_w * grad_loss, None, None, None, None)
 
 
 def count_targets(labels: torch.Tensor) -> torch.Tensor:

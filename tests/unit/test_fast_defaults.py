@@ -84,7 +84,7 @@ def test_autocast_trains_close_to_fsdp_bf16_and_says_so(tmp_path, capsys):
     autocast = train(_cfg(tmp_path / "a"))
     line = [x for x in capsys.readouterr().out.splitlines() if "chosen:" in x]
     assert line == ["[trainlib] chosen: adamw foreach (auto) | bfloat16 autocast over fp32 weights (auto) | "
-                    "loss chunked by 256 tokens | AC none | eager | no float8"], line
+                    "loss chunked by 256 tokens (auto) | AC none | eager | no float8"], line
     fsdp = train(_cfg(tmp_path / "b", "--training.mixed_precision_impl=fsdp"))
     assert "bfloat16 params by FSDP, float32 reduce" in capsys.readouterr().out
     fp32 = train(_cfg(tmp_path / "c", "--training.mixed_precision_param=float32"))

@@ -149,16 +149,19 @@ def logits_loss_bytes(s: StepShape, has_out: bool) -> float:
     fp32 log-probs (saved), their fp32 gradient and the fp32 logits gradient;
     GPipe-like schedules keep every micro-batch's log-probs.
     Chunked (trainlib.loss): the same 12 bytes per element for one chunk of
-    tokens, plus the output weight's gradient (compute dtype, vocab / tp rows)
-    that the loss's forward computes and its backward hands over, held per
-    micro-batch whose backward has not run (all of them under GPipe)."""
+    tokens, plus the output weight's gradient (vocab / tp rows): summed in
+    fp32 during the loss's forward (with one chunk's product in the compute
+    dtype beside the sum when that is not fp32), then held in the parameter
+    dtype until the backward hands it over, per micro-batch whose backward
+    has not run (all of them under GPipe)."""
     if not has_out:
         return 0.0
     vocab_local = s.args.vocab_size / (s.tp if s.loss_parallel else 1)
     n_held = s.n_microbatches if s.schedule in ("GPipe", "LoopedBFS") and s.pp > 1 else 1
     if s.loss_chunk_tokens is not None:
-        vocab_w = s.args.vocab_size / s.tp  # the weight is vocab-sharded under TP, loss parallel or not
-        return 12 * min(s.loss_chunk_tokens, s.mb_tokens) * vocab_local + n_held * s.elem * vocab_w * s.args.dim
+        w_numel = s.args.vocab_size / s.tp * s.args.dim  # the weight is vocab-sharded under TP, loss parallel or not
+        summing = (4 + (s.elem if s.elem < 4 else 0)) * w_numel
+        return 12 * min(s.loss_chunk_tokens, s.mb_tokens) * vocab_local + summing + (n_held - 1) * s.elem * w_numel
     return (4 * (n_held - 1) + 12) * s.mb_tokens * vocab_local
 
 
