@@ -82,6 +82,8 @@ PRESETS: dict[str, tuple[dict, list[str]]] = {
     "8b8-compile-sac-foreach": (L8B, COMPILE + SAC + ["--optimizer.implementation=foreach"]),
     "8b8-compile-sac-wholelogits": (L8B, COMPILE + SAC + ["--loss.chunked=false"]),
     "8b8-compile-sac-chunk256": (L8B, COMPILE + SAC + ["--loss.chunk_tokens=256"]),  # CUDA's auto is 2048
+    # and one lever added: each loss chunk's cross-entropy compiled (compile.loss, off by default)
+    "8b8-compile-sac-closs": (L8B, COMPILE + SAC + ["--compile.loss=true"]),
 }
 TINY = {"flavor": "debug", "n_layers": None, "seq": 64, "batch": 2}  # --cpu-smoke shape, presets included
 
