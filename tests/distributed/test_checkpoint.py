@@ -38,6 +38,9 @@ def _async_snapshot_worker(rank, world, folder, mode):
     opt.step()
     before = model.weight.detach().clone()
     ck.maybe_save(1, last_step=1)
+    # An async save commits (renames step-1.tmp) only in wait(), here at close(): whatever the
+    # background write's pace, nothing is complete yet; a synchronous save would be.
+    assert complete_steps(ck.root) == []
     with torch.no_grad():  # the loop goes on while the background write runs
         model.weight.add_(1.0)
     ck.close()
@@ -72,6 +75,10 @@ def _process_mode_worker(rank, world, folder):
         model(torch.randn(2, 16)).sum().backward()
         opt.step()
         ck.maybe_save(step, last_step=3)
+        # Each save is committed by the next one's wait(), step 3's by close(): one step behind.
+        assert complete_steps(ck.root) == list(range(1, step))
+    # Step 2's write, awaited by step 3's save, went through DCP's writer process: alive until close().
+    assert multiprocessing.active_children(), "async_with_pinned_mem must write from a separate process"
     ck.close()
     assert not multiprocessing.active_children(), "the checkpoint writer process outlived close()"
 

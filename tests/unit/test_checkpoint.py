@@ -21,7 +21,7 @@ def test_dataloader_state_under_incompatible_dp_is_a_clear_error():
         b.load_state_dict(a.state_dict())
 
 
-def _job(folder, **cfg):
+def _job(run_dir, **cfg):
     from trainlib.models.llama3 import Transformer, get_model_args
     from trainlib.optim import LRSchedulerConfig, OptimizerConfig, build_lr_scheduler, build_optimizer
 
@@ -32,7 +32,7 @@ def _job(folder, **cfg):
     sched = build_lr_scheduler(opt, LRSchedulerConfig(warmup_steps=2), 10)
     states = {"model": ModelState([model]), "optimizer": OptimizerState([model], opt), "scheduler": sched,
               "trainer": TrainState(tokens_per_step=100, model_args=args)}
-    return model, opt, sched, Checkpointer(CheckpointConfig(enable=True, **cfg), folder, states)
+    return model, opt, sched, Checkpointer(CheckpointConfig(enable=True, **cfg), run_dir, states)
 
 
 def _train_step(model, opt, sched):
@@ -61,22 +61,36 @@ def test_each_registered_part_is_restored(tmp_path):
     assert sched2.last_epoch == 3 and sched2.get_last_lr() == sched.get_last_lr()
     assert torch.equal(torch.get_rng_state(), rng) and torch.equal(torch.rand(3), draw)
 
+    model3, _, _, ck3 = _job(tmp_path, fresh_start=True)
+    assert ck3.load() == 0 and complete_steps(ck3.root) == []  # step 3 deleted, not resumed
+    assert not torch.equal(model3.output.weight, saved["output.weight"])
 
-def test_model_only_initial_load_leaves_the_rest(tmp_path):
-    model, opt, sched, ck = _job(tmp_path / "a")
+
+@pytest.mark.parametrize("model_only", [True, False])
+def test_initial_load_takes_the_model_only_unless_told_otherwise(tmp_path, model_only):
+    model, opt, sched, ck = _job(tmp_path / "a", folder="ckpts")
     _train_step(model, opt, sched)
     ck.maybe_save(1, last_step=1)
-    model2, opt2, sched2, ck2 = _job(tmp_path / "b", initial_load_path=str(tmp_path / "a" / "checkpoint" / "step-1"))
-    assert ck2.load() == 0  # model only: the run starts at step 0 with a fresh optimizer
+    assert complete_steps(tmp_path / "a" / "ckpts") == [1]
+    model2, opt2, sched2, ck2 = _job(tmp_path / "b", initial_load_path=str(tmp_path / "a" / "ckpts" / "step-1"),
+                                     initial_load_model_only=model_only)
+    step = ck2.load()
     assert torch.equal(model2.output.weight, model.output.weight)
-    assert not opt2.state and sched2.last_epoch == 0
+    if model_only:  # fine-tuning: the run starts at step 0 with a fresh optimizer
+        assert step == 0 and not opt2.state and sched2.last_epoch == 0
+    else:  # the whole training state: step, optimizer moments, schedule
+        assert step == 1
+        assert torch.equal(opt2.state[model2.output.weight]["exp_avg"], opt.state[model.output.weight]["exp_avg"])
+        assert sched2.last_epoch == 1
 
 
 def test_retention_keeps_latest_k_and_every_multiple(tmp_path):
-    model, opt, sched, ck = _job(tmp_path, interval=1, keep_latest_k=2, keep_every=4)
+    # An absolute checkpoint.folder, outside the run folder, as on a shared filesystem.
+    model, opt, sched, ck = _job(tmp_path / "run", interval=1, keep_latest_k=2, keep_every=4,
+                                 folder=str(tmp_path / "shared"))
     for step in range(1, 11):
         ck.maybe_save(step, last_step=10)
-    assert complete_steps(ck.root) == [4, 8, 9, 10]
+    assert complete_steps(tmp_path / "shared") == [4, 8, 9, 10]
 
 
 def test_keep_every_must_be_a_multiple_of_the_interval():

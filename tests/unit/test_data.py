@@ -284,8 +284,9 @@ def test_epoch_rollover_and_shuffle(docs_file):
     assert sum(got, []) == stream[: n * L]  # epochs follow each other, buffer carried over
     assert dl.state_dict()["epoch"] == 2
 
-    def epoch_docs(seed):
-        dl = build_dataloader(DataConfig(path=docs_file, shuffle_documents=True), BYTE, L, 1, seed=seed)
+    def epoch_docs(seed, buffer=10_000):
+        cfg = DataConfig(path=docs_file, shuffle_documents=True, shuffle_buffer_size=buffer)
+        dl = build_dataloader(cfg, BYTE, L, 1, seed=seed)
         toks = sum((next(dl)["input"][0].tolist() for _ in range(n)), [])
         docs, cur = [], None
         for t in toks:
@@ -303,6 +304,8 @@ def test_epoch_rollover_and_shuffle(docs_file):
     assert e0 != e1  # reshuffled per epoch (seed + epoch)
     assert epoch_docs(seed=1) == (e0, e1)  # deterministic
     assert epoch_docs(seed=2) != (e0, e1)
+    # A one-document buffer yields each document as it is read: no shuffle at all.
+    assert epoch_docs(seed=1, buffer=1)[0] == DOCS
 
 
 def test_formats_directory_and_glob(tmp_path):
@@ -339,6 +342,12 @@ def test_formats_directory_and_glob(tmp_path):
     for i, doc in enumerate(DOCS):
         (tdir / f"{i:02d}.txt").write_text(doc, encoding="utf-8")
     assert inputs(DataConfig(path=str(tdir))) == expected  # one document per .txt file
+
+    paragraphs = tmp_path / "paragraphs.txt"
+    paragraphs.write_text("one\n\ntwo\n\nthree", encoding="utf-8")
+    # Three documents (three BOS per epoch), not the whole file as one.
+    got = inputs(DataConfig(path=str(paragraphs), txt_sample_by="paragraph"))
+    assert got == token_stream(["one", "two", "three"], epochs=4)[: 8 * L]
 
 
 def test_data_errors(tmp_path, docs_file):

@@ -80,6 +80,15 @@ def test_bad_input_is_one_line_and_exit_2(capsys, tmp_path, what, text, override
     assert "Traceback" not in out.err + out.out
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal needs a machine without CUDA")
+def test_cuda_device_without_cuda_is_one_line_and_exit_2(capsys, tmp_path):
+    # One short step: were job.device ignored, the run would train rather than fail quickly.
+    args = ["--job.device=cuda", "--training.steps=1", "--training.seq_len=32", "--metrics.console=false"]
+    assert main([*args, f"--job.dump_folder={tmp_path / 'run'}"]) == 2
+    err = capsys.readouterr().err
+    assert err == "trainlib: error: job.device = 'cuda' but no CUDA device is visible; use 'cpu' or 'auto'\n", err
+
+
 def test_there_are_at_least_30_cases():
     assert len(BAD_INPUT) >= 30
 

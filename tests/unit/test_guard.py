@@ -75,9 +75,12 @@ def test_at_step_fields_go_only_into_the_settled_steps_record():
         (2, "nonfinite", None, {"a": 3}), (3, None, 1.5, {"a": 3})]
 
 
-def test_rollback_without_a_checkpoint_stops():
+def test_rollback_without_a_checkpoint_or_budget_stops():
     guard, *_ = _guard(on_nonfinite="rollback")
     with pytest.raises(TrainingStopped, match="rollback, but there is no complete checkpoint yet"):
+        _judge(guard, [2.0, math.nan])
+    guard, *_ = _guard(on_nonfinite="rollback", max_rollbacks=0)
+    with pytest.raises(TrainingStopped, match=r"^step 2: loss is nan \(training.max_rollbacks = 0 spent\)$"):
         _judge(guard, [2.0, math.nan])
 
 

@@ -121,20 +121,25 @@ def _wandb_history(run_folder):
     return history
 
 
-def test_tensorboard_and_wandb_get_every_numeric_field_on_rank_0(tmp_path, monkeypatch):
+def test_tensorboard_and_wandb_get_every_numeric_field_on_rank_0(tmp_path, monkeypatch, capsys):
     pytest.importorskip("tensorboard", reason="pip install 'trainlib[tensorboard]' (in the dev extra)")
-    pytest.importorskip("wandb", reason="pip install 'trainlib[wandb]' (in the dev extra)")
+    wandb = pytest.importorskip("wandb", reason="pip install 'trainlib[wandb]' (in the dev extra)")
     monkeypatch.delenv("WANDB_MODE", raising=False)
     monkeypatch.setenv("WANDB_SILENT", "true")
+    inits, real_init = [], wandb.init
+    monkeypatch.setattr(wandb, "init", lambda **kw: inits.append(kw) or real_init(**kw))
     train(_cfg(tmp_path, "--training.steps=3", "--metrics.log_freq=1", "--metrics.console=false",
-               "--metrics.enable_tensorboard=true", "--metrics.enable_wandb=true", "--metrics.wandb_mode=offline",
-               "--validation.enable=true", "--validation.interval=2"))
+               "--metrics.enable_tensorboard=true", "--metrics.save_tb_folder=board",
+               "--metrics.enable_wandb=true", "--metrics.wandb_mode=offline", "--metrics.wandb_project=proj",
+               "--metrics.wandb_entity=team", "--validation.enable=true", "--validation.interval=2"))
+    assert not [x for x in capsys.readouterr().out.splitlines() if x.startswith("[trainlib] step")]
+    assert [(kw["project"], kw["entity"]) for kw in inits] == [("proj", "team")]
     records = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     expected = {r["step"]: scalars(r) for r in records}
     assert {"val_loss", "val_perplexity", "tokens_seen", "peak_memory_gib"} <= set(expected[2])
     assert any(k.startswith("tokens_seen_per_dataset/") for k in expected[1])
 
-    tb = _tensorboard_scalars(tmp_path / "tb")
+    tb = _tensorboard_scalars(tmp_path / "board")
     assert set(tb) == set().union(*(e.keys() for e in expected.values()))
     for step, values in expected.items():
         for key, value in values.items():

@@ -323,13 +323,15 @@ def test_prefetch_state_and_thread(tmp_path, raw):
     caller; an abandoned loader's thread ends."""
     prep(tmp_path / "out", [raw])
     cfg = DataConfig(path=str(tmp_path / "out"), prefetch=4)
-    ref = take(build_dataloader(DataConfig(path=str(tmp_path / "out"), prefetch=0), BYTE, 8, 3), 6)
+    plain = build_dataloader(DataConfig(path=str(tmp_path / "out"), prefetch=0), BYTE, 8, 3)
+    ref = take(plain, 6)
+    assert plain._thread is None  # prefetch 0: batches built in next() itself
     dl = build_dataloader(cfg, BYTE, 8, 3)
     take(dl, 2)
     deadline = time.time() + 10
     while not dl._queue.full() and time.time() < deadline:
         time.sleep(0.01)
-    assert dl._queue.full()  # four more batches built ahead...
+    assert dl._queue.maxsize == 4 and dl._queue.full()  # four more batches built ahead...
     assert dl.state_dict()["samples_consumed"] == 6  # ...but not consumed
     other = build_dataloader(cfg, BYTE, 8, 3)
     other.load_state_dict(dl.state_dict())

@@ -12,7 +12,7 @@ import torch
 import trainlib.train as train_module
 from tests.helpers import REPO
 from trainlib.config import ConfigError, load_job_config
-from trainlib.profiling import ProfilingConfig
+from trainlib.profiling import Profiler, ProfilingConfig
 from trainlib.train import train
 
 
@@ -29,12 +29,22 @@ def _profiler_steps(trace):
 def test_traces_hold_exactly_each_windows_active_steps(tmp_path):
     # windows end at steps 3 and 6; each records 2 steps after 1 warmup step; the third window is not traced
     train(_cfg(tmp_path, "--training.steps=9", "--profiling.enable_profiling=true", "--profiling.profile_freq=3",
-               "--profiling.profile_warmup=1", "--profiling.profile_active=2", "--profiling.profile_windows=2"))
-    folders = sorted(p.name for p in (tmp_path / "profile_traces").iterdir())
+               "--profiling.profile_warmup=1", "--profiling.profile_active=2", "--profiling.profile_windows=2",
+               "--profiling.save_traces_folder=traces"))
+    folders = sorted(p.name for p in (tmp_path / "traces").iterdir())
     assert folders == ["step-3", "step-6"]
     # ProfilerStep#i is the process's step i, training step i + 1
-    assert _profiler_steps(tmp_path / "profile_traces/step-3/rank0_trace.json") == [1, 2]
-    assert _profiler_steps(tmp_path / "profile_traces/step-6/rank0_trace.json") == [4, 5]
+    assert _profiler_steps(tmp_path / "traces/step-3/rank0_trace.json") == [1, 2]
+    assert _profiler_steps(tmp_path / "traces/step-6/rank0_trace.json") == [4, 5]
+
+
+@pytest.mark.parametrize("warmup", [1, 3])
+def test_the_schedule_warms_up_profile_warmup_steps_before_each_window(tmp_path, warmup):
+    # The traces cannot show warm-up steps (nothing of them is kept): the schedule itself is checked.
+    cfg = ProfilingConfig(profile_freq=6, profile_warmup=warmup, profile_active=2)
+    actions = [Profiler(cfg, tmp_path, 0, torch.device("cpu"), start_step=0)._action(i) for i in range(6)]
+    A = torch.profiler.ProfilerAction
+    assert actions == [A.NONE] * (4 - warmup) + [A.WARMUP] * warmup + [A.RECORD, A.RECORD_AND_SAVE]
 
 
 def test_profiling_window_must_fit_its_period():
@@ -47,6 +57,19 @@ def test_memory_snapshot_on_cpu_is_a_one_line_error(tmp_path):
     with pytest.raises(ConfigError, match=r"^profiling.enable_memory_snapshot records the CUDA caching allocator; "
                                           r"this job runs on cpu: set profiling.enable_memory_snapshot = false$"):
         train(_cfg(tmp_path, "--training.steps=1", "--profiling.enable_memory_snapshot=true"))
+
+
+def test_memory_snapshot_step_and_folder_without_cuda(tmp_path, monkeypatch):
+    # The allocator's recording calls stubbed: where and when the Profiler dumps needs no CUDA.
+    dumps = []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **kw: None)
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dumps.append)
+    cfg = ProfilingConfig(enable_memory_snapshot=True, memory_snapshot_step=3, save_memory_snapshot_folder="snaps")
+    profiler = Profiler(cfg, tmp_path, 0, torch.device("cpu"), start_step=0)
+    for step in (1, 2, 3, 4):
+        profiler.step(step)
+    profiler.close()
+    assert dumps == [str(tmp_path / "snaps" / "rank0_step3.pickle")]
 
 
 @pytest.mark.gpu

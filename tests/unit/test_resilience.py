@@ -1,10 +1,15 @@
-"""The resilience parts in one process: the preemption flag, the hang verdict from per-rank reports."""
+"""The resilience parts in one process: the preemption flag, the hang verdict from per-rank reports,
+the watchdog's limit, and the init timeout given to the process group."""
 
 import os
 import signal
+from datetime import timedelta
 from pathlib import Path
 
-from trainlib.resilience import Preemption, hang_verdict
+import torch.distributed as dist
+
+from trainlib.distributed import CommConfig, destroy_distributed, init_distributed
+from trainlib.resilience import Preemption, StepMonitor, WatchdogConfig, hang_verdict
 
 
 def test_a_preemption_signal_stops_after_the_next_step_and_the_handler_stays_for_the_exit():
@@ -65,3 +70,29 @@ def test_hang_verdict_without_recorder_entries_names_the_ranks_outside_torch_dis
 def test_hang_verdict_when_every_rank_waits():
     reports = {r: _report(6, {"0": 12}) for r in range(3)}
     assert hang_verdict(reports, 3, 3.0, Path("/run")).startswith("hang: no rank is behind, every rank waits")
+
+
+def test_watchdog_limit_is_step_factor_times_the_median_and_enable_false_builds_none(tmp_path):
+    init_distributed(CommConfig(), "cpu")
+    try:
+        off = StepMonitor(WatchdogConfig(enable=False), 60.0, tmp_path)
+        assert off.watchdog is None
+        off.close()
+        monitor = StepMonitor(WatchdogConfig(step_factor=4, min_seconds=1), 60.0, tmp_path)
+        # Stopped first: its thread must never judge these made-up step times against the clock.
+        monitor.close()
+        for step in (1, 2, 3):
+            monitor.watchdog.start_step(step, watched=True)
+            monitor.watchdog.end_step(1.0)
+        assert monitor.watchdog.limit() == 4.0
+    finally:
+        destroy_distributed()
+
+
+def test_init_timeout_reaches_the_process_group(monkeypatch):
+    calls = []
+    monkeypatch.setattr(dist, "init_process_group", lambda **kw: calls.append(kw))
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    init_distributed(CommConfig(init_timeout_seconds=7), "cpu")
+    assert [kw["timeout"] for kw in calls] == [timedelta(seconds=7)]
