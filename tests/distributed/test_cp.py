@@ -123,12 +123,43 @@ def _model_matches_single_device(rank, world, cp_mesh):
     assert (causal - ref(tokens, doc_ids=doc_ids)).abs().max() > 1e-3  # the documents did change the logits
 
 
+def _contiguous_layout_reaches_model_and_batches(rank, world):
+    """parallelism.cp_load_balance = false through trainlib's own path (parallelize_llama,
+    and local_micro_batches as the training and validation loops cut batches): this
+    rank holds one contiguous chunk and gets its rows of the single-device logits.
+    Either layout trains to the same loss, so parity alone cannot see the key ignored."""
+    from trainlib.models.llama3 import Transformer, get_model_args, parallelize_llama
+    from trainlib.parallel import ParallelDims, init_model_weights
+    from trainlib.parallel.config import ParallelismConfig
+    from trainlib.parallel.cp import local_micro_batches
+
+    dims = ParallelDims(dp_shard=1, cp=world, world_size=world)
+    dims.build_mesh("cpu")
+    par = ParallelismConfig(dp_shard=1, cp=world, cp_load_balance=False)
+    args = get_model_args("debug", n_layers=2)
+    with torch.device("meta"):
+        model = Transformer(args, rope_len=32)
+    parallelize_llama(model, dims, par)
+    init_model_weights(model, 0, "cpu")
+    ref = Transformer(args, rope_len=32)
+    ref.init_weights(seed=0)
+
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(2))
+    (mb,) = local_micro_batches([{"input": tokens, "labels": tokens}], dims.mesh("cp"), par.cp_load_balance,
+                                document_mask=False, device=torch.device("cpu"))
+    mine = slice(rank * 32 // world, (rank + 1) * 32 // world)
+    assert torch.equal(mb["input"], tokens[:, mine])
+    with torch.no_grad():
+        torch.testing.assert_close(model(mb["input"]), ref(tokens)[:, mine], rtol=1e-5, atol=1e-5)
+
+
 def _cp_checks(rank, world, cases_by_cp, document_cases_by_cp):
     from torch.distributed.device_mesh import init_device_mesh
 
     _attention_matches_sdpa(rank, world, cases_by_cp)
     _document_attention_matches_reference(rank, world, document_cases_by_cp)
     _model_matches_single_device(rank, world, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)))
+    _contiguous_layout_reaches_model_and_batches(rank, world)
 
 
 def test_attention_and_grads_match_sdpa():

@@ -1,6 +1,7 @@
 import pytest
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import Replicate, Shard
 
 from tests.helpers import spawn
 from trainlib.parallel import ParallelDims
@@ -35,6 +36,24 @@ def _check_mesh(rank, world):
     mesh = hsdp.fsdp_mesh()
     assert mesh.mesh_dim_names == ("dp_replicate", "dp_shard_cp") and tuple(mesh.shape) == (2, 2)
     assert hsdp.dp_coords() == (rank, 4)
+
+    # dp_replicate only changes how much of each parameter a rank holds, which the
+    # loss curves of HSDP and plain FSDP cannot tell apart: look at the placements.
+    fsdp = ParallelDims(dp_shard=4, world_size=world)
+    fsdp.build_mesh("cpu")
+    hsdp_wq, fsdp_wq = (_parallelized_meta_model(d).layers["0"].attention.wq.weight for d in (hsdp, fsdp))
+    assert hsdp_wq.placements == (Replicate(), Shard(0)) and tuple(hsdp_wq.device_mesh.shape) == (2, 2)
+    assert fsdp_wq.placements == (Shard(0),) and tuple(fsdp_wq.device_mesh.shape) == (4,)
+    assert hsdp_wq.to_local().shape[0] * 2 == fsdp_wq.to_local().shape[0] * 4 == hsdp_wq.shape[0]
+
+
+def _parallelized_meta_model(dims):
+    from trainlib.models.llama3 import Transformer, get_model_args, parallelize_llama
+    from trainlib.parallel.config import ParallelismConfig
+
+    with torch.device("meta"):
+        model = Transformer(get_model_args("debug"), rope_len=64)
+    return parallelize_llama(model, dims, ParallelismConfig(dp_replicate=dims.dp_replicate, dp_shard=dims.dp_shard))
 
 
 def test_mesh_views_on_4_ranks():

@@ -33,8 +33,11 @@ def _check_init_one(world, layout):
     with torch.device("meta"):
         model = Transformer(args, rope_len=64)
     if dims.pp_enabled:
-        parts = pp_lib.build_pipeline(model, dims, par, torch.device("cpu"),
-                                      lambda m: parallelize_llama(m, dims, par)).model_parts
+        pipeline = pp_lib.build_pipeline(model, dims, par, torch.device("cpu"),
+                                         lambda m: parallelize_llama(m, dims, par))
+        parts = pipeline.model_parts
+        # The schedule decides the bubble and the activation memory, not the loss: parity cannot see it.
+        assert isinstance(pipeline.schedule, pp_lib.SCHEDULES[par.pp_schedule]), type(pipeline.schedule)
     else:
         parts = [parallelize_llama(model, dims, par)]
     seen = set()
@@ -53,9 +56,53 @@ def _check_init_one(world, layout):
         assert sorted(names) == sorted(ref_params)
     else:
         assert seen == set(ref_params)
+    if dims.tp_enabled:
+        _check_tp_layouts(parts[0], ref, par)
+        _check_tp_async_refused_on_cpu(dims, par)
+
+
+def _check_tp_layouts(model, ref, par):
+    """Sequence and loss parallelism change only where activations live (the same
+    logits either way), so the loss curves cannot tell whether the keys were applied."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    seen = {}
+    model.layers["0"].attention_norm.register_forward_hook(lambda mod, args, out: seen.update(norm=out))
+    tokens = torch.randint(0, ref.args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    logits = model(tokens)
+    norm = seen["norm"]
+    if par.tp_sequence_parallel:
+        assert isinstance(norm, DTensor) and norm.placements == (Shard(1),), norm
+        assert norm.to_local().shape == (2, 8, ref.args.dim)
+    else:
+        assert not isinstance(norm, DTensor) and norm.shape == (2, 16, ref.args.dim), norm
+    if par.tp_loss_parallel:
+        assert isinstance(logits, DTensor) and logits.placements == (Shard(2),), logits
+        assert logits.to_local().shape == (2, 16, ref.args.vocab_size // 2)
+        logits = logits.full_tensor()
+    else:
+        assert not isinstance(logits, DTensor), logits
+    torch.testing.assert_close(logits, ref(tokens))
+
+
+def _check_tp_async_refused_on_cpu(dims, par):
+    """tp_async needs CUDA symmetric memory; on a CPU mesh parallelize refuses it
+    itself, not only validate_job."""
+    import dataclasses
+
+    import pytest
+
+    from trainlib.errors import ConfigError
+    from trainlib.models.llama3 import parallelize_llama
+
+    with torch.device("meta"):
+        model = Transformer(get_model_args("debug"), rope_len=64)
+    with pytest.raises(ConfigError, match="tp_async needs CUDA devices.*mesh is on 'cpu'"):
+        parallelize_llama(model, dims, dataclasses.replace(par, tp_async=True))
 
 
 def test_init_matches_single_process():
-    spawn(_check_init, 2, [{"pp": 2}, {"tp": 2}, {"pp": 2, "pp_schedule": "ZBVZeroBubble"}])
+    spawn(_check_init, 2, [{"pp": 2}, {"tp": 2}, {"pp": 2, "pp_schedule": "ZBVZeroBubble"},
+                           {"tp": 2, "tp_sequence_parallel": False, "tp_loss_parallel": False}])
 
 
