@@ -6,7 +6,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from tests.helpers import build_on_one_rank
 from trainlib.config import load_job_config
@@ -59,17 +59,52 @@ def test_autocast_on_several_ranks_is_a_one_line_error():
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("impl,offload", [("auto", False), ("fsdp", False), ("auto", True)])
-def test_one_rank_bf16_build(impl, offload):
+@pytest.mark.parametrize("impl,offload,reshard,reduce", [
+    ("auto", False, "default", "float32"),
+    ("fsdp", False, "default", "float32"),
+    ("fsdp", False, "never", "bfloat16"),
+    ("auto", True, "default", "float32"),
+])
+def test_one_rank_bf16_build(impl, offload, reshard, reduce):
     cfg = load_job_config(None, ["--training.mixed_precision_param=bfloat16",
-                                 f"--training.mixed_precision_impl={impl}", f"--parallelism.fsdp_cpu_offload={offload}"])
+                                 f"--training.mixed_precision_impl={impl}", f"--parallelism.fsdp_cpu_offload={offload}",
+                                 f"--parallelism.fsdp_reshard_after_forward={reshard}",
+                                 f"--training.mixed_precision_reduce={reduce}"])
     built = build_on_one_rank(cfg)
     (model,) = built.parts
     if impl == "auto" and not offload:  # fp32 master weights, no FSDP, bf16 compute by autocast
         assert built.autocast_dtype == torch.bfloat16 and not isinstance(model, FSDPModule)
     else:  # asked for, or needed by the CPU offload (FSDP's)
         assert built.autocast_dtype is None and isinstance(model, FSDPModule)
+        # The FSDP keys as each block's fully_shard received them: on one rank (CPU) none of them changes the
+        # numbers, so only the block's param group shows one ignored.
+        for name, block in model.layers.items():
+            group = block._get_fsdp_state()._fsdp_param_group
+            assert (group.post_forward_mesh_info is None) is (reshard == "never"), name
+            assert group.mp_policy.reduce_dtype == getattr(torch, reduce), name
+            assert isinstance(group.offload_policy, CPUOffloadPolicy) is offload, name
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # FSDP's shards are fp32 too
+
+
+def test_one_rank_build_follows_the_loss_keys():
+    whole = build_on_one_rank(load_job_config(None, ["--loss.chunked=false"]))
+    assert whole.loss_chunk_tokens is None and whole.parts[0].output_in_forward  # the model computes the logits
+    chunked = build_on_one_rank(load_job_config(None, ["--loss.chunk_tokens=100"]))  # auto would be 256 on CPU
+    assert chunked.loss_chunk_tokens == 100 and chunked.loss_fn.keywords["chunk_tokens"] == 100
+    assert not chunked.parts[0].output_in_forward
+
+
+def test_compile_backend_reaches_every_compiled_function(monkeypatch):
+    backends = []
+
+    def record(fn, **kwargs):  # nothing is compiled: only what trainlib asked for is of interest
+        backends.append(kwargs.get("backend"))
+        return fn
+
+    monkeypatch.setattr("trainlib.parallel.compile.torch.compile", record)
+    built = build_on_one_rank(load_job_config(None, ["--compile.enable=true", "--compile.loss=true",
+                                                     "--compile.backend=aot_eager"]))
+    assert backends == ["aot_eager"] * (built.model_args.n_layers + 1)  # each block, and the loss
 
 
 def _cfg(tmp_path, *overrides):

@@ -98,12 +98,13 @@ def _scaling(cast) -> str:
 
 
 @pytest.mark.parametrize("recipe", sorted(RECIPE_SCALING))
-@pytest.mark.parametrize("emulate", [False, True])
-def test_converted_linears_carry_the_recipe(recipe, emulate):
+@pytest.mark.parametrize("emulate,all_gather", [(False, True), (True, True), (False, False)])
+def test_converted_linears_carry_the_recipe(recipe, emulate, all_gather):
     from torchao.float8.float8_linear import Float8Linear
 
     model = Transformer(get_model_args("debug"), rope_len=64)
-    converted = convert_float8(model, Float8Config(enable=True, recipe=recipe, emulate=emulate, min_size=0), fsdp=True)
+    cfg = Float8Config(enable=True, recipe=recipe, emulate=emulate, min_size=0, fsdp_float8_all_gather=all_gather)
+    converted = convert_float8(model, cfg, fsdp=True)
     fp8 = {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert sorted(fp8) == sorted(converted) and len(fp8) == 7 * get_model_args("debug").n_layers
     forward, grad_weight, grad_dtype = RECIPE_SCALING[recipe]
@@ -115,8 +116,9 @@ def test_converted_linears_carry_the_recipe(recipe, emulate):
                 _scaling(c.cast_config_grad_output_for_grad_weight)) == grad_weight, name
         assert str(c.cast_config_grad_output.target_dtype) == f"torch.{grad_dtype}", name
         assert c.emulate is emulate
-        # float8 all-gather exists for tensorwise scales only (rowwise all-gathers in high precision).
-        assert c.enable_fsdp_float8_all_gather is (recipe == "tensorwise")
+        # float8 all-gather exists for tensorwise scales only (rowwise all-gathers in high precision), and
+        # only when the recipe asks for it.
+        assert c.enable_fsdp_float8_all_gather is (recipe == "tensorwise" and all_gather), name
 
 
 

@@ -37,16 +37,21 @@ def test_wsd_holds_then_decays():
 
 
 def test_scheduler_drives_optimizer_lr():
-    p = torch.nn.Parameter(torch.zeros(2, 2))
-    opt = build_optimizer([torch.nn.Linear(2, 2)], OptimizerConfig(lr=1.0))
-    sched = build_lr_scheduler(opt, LRSchedulerConfig(warmup_steps=2, decay_type="constant"), 5)
-    seen = []
-    for _ in range(3):
-        seen.append(opt.param_groups[0]["lr"])
-        opt.step()
-        sched.step()
-    assert seen == [0.5, 1.0, 1.0]
-    del p
+    def lrs(cfg, steps):
+        opt = build_optimizer([torch.nn.Linear(2, 2)], OptimizerConfig(lr=1.0))
+        sched = build_lr_scheduler(opt, cfg, steps)
+        seen = []
+        for _ in range(steps):
+            seen.append(opt.param_groups[0]["lr"])
+            opt.step()
+            sched.step()
+        return seen
+
+    # To the last step: cosine (the default) would be at 0.775 and 0.325 by steps 4 and 5.
+    assert lrs(LRSchedulerConfig(warmup_steps=2, decay_type="constant"), 5) == [0.5, 1.0, 1.0, 1.0, 1.0]
+    # Decay over half of the 8 post-warmup steps; the default decay_ratio 0.2 would decay over the last 2 only.
+    wsd = LRSchedulerConfig(warmup_steps=2, decay_type="wsd", min_lr_ratio=0.0, decay_ratio=0.5)
+    assert lrs(wsd, 10) == [0.5, 1.0, 1.0, 1.0, 1.0, 1.0, 0.75, 0.5, 0.25, 0.0]
 
 
 def test_weight_decay_only_on_matrices():
@@ -71,8 +76,10 @@ def test_optimizer_name_selects_the_builder(monkeypatch):
 
     # Every name the recipe key accepts has a builder, and no builder is unreachable.
     assert set(typing.get_args(typing.get_type_hints(OptimizerConfig)["name"])) == set(optim.OPTIMIZERS)
-    opt = build_optimizer([torch.nn.Linear(4, 4)], OptimizerConfig(name="adamw", lr=0.5, weight_decay=0.2))
+    cfg = OptimizerConfig(name="adamw", lr=0.5, weight_decay=0.2, beta1=0.8, beta2=0.9, eps=1e-6)
+    opt = build_optimizer([torch.nn.Linear(4, 4)], cfg)
     assert type(opt) is torch.optim.AdamW and opt.defaults["lr"] == 0.5
+    assert opt.defaults["betas"] == (0.8, 0.9) and opt.defaults["eps"] == 1e-6  # none of them the default
     assert [g["weight_decay"] for g in opt.param_groups] == [0.2, 0.0]  # matrices decay, biases do not
     picked = []
     monkeypatch.setitem(optim.OPTIMIZERS, "adamw", lambda groups, cfg: picked.append(cfg.name) or "built")

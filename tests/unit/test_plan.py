@@ -159,6 +159,14 @@ def test_pipeline_ranks_are_read_from_the_build():
     assert [s.layers for s in plan.stages] == [[0], [1, 2, 3]] and plan.stages[0].has_embedding
     v = make_plan(DEBUG, 2, overrides=["parallelism.pp=2", "parallelism.pp_schedule=ZBVZeroBubble"])
     assert [s.stages for s in v.stages] == [[0, 3], [1, 2]] and v.stages[0].has_output and v.stages[0].has_embedding
+    # The pipeline's own keys, each against its default (1F1B: one micro-batch per stage; interleaved: 2 stages
+    # per rank), as the build reads them.
+    assert make_plan(DEBUG, 2, overrides=["parallelism.pp=2"]).pp_microbatches == 2
+    assert make_plan(DEBUG, 2, overrides=["parallelism.pp=2", "parallelism.pp_microbatches=4"]).pp_microbatches == 4
+    interleaved = ["parallelism.pp=2", "parallelism.pp_schedule=Interleaved1F1B"]
+    assert [s.stages for s in make_plan(DEBUG, 2, overrides=interleaved).stages] == [[0, 2], [1, 3]]
+    one_each = make_plan(DEBUG, 2, overrides=[*interleaved, "parallelism.pp_stages_per_rank=1"])
+    assert [s.stages for s in one_each.stages] == [[0], [1]]
 
 
 def test_gpu_memory_sets_the_warning():

@@ -18,13 +18,43 @@ def _cfg(tmp_path, *overrides):
                                   "--metrics.console=false", "--optimizer.lr=3e-3", *overrides])
 
 
-def test_grad_accumulation_matches_single_micro_batch(tmp_path):
+def test_grad_accumulation_matches_single_micro_batch(tmp_path, monkeypatch):
+    import trainlib.train as loop
+
+    # What the loop passed on, per step: equal curves alone would also come from a local_batch_size ignored.
+    micro_batches, max_norms, timeouts = [], [], []
+    real_forward_backward, real_clip = loop.forward_backward, loop.clip_grad_norm_
+
+    def forward_backward(job, mbs, n_targets):
+        micro_batches.append(len(mbs))
+        return real_forward_backward(job, mbs, n_targets)
+
+    def clip_grad_norm_(params, max_norm, *rest):
+        max_norms.append(max_norm)
+        return real_clip(params, max_norm, *rest)
+
+    monkeypatch.setattr(loop, "forward_backward", forward_backward)
+    monkeypatch.setattr(loop, "clip_grad_norm_", clip_grad_norm_)
+    monkeypatch.setattr(loop, "set_collective_timeout", timeouts.append)  # one rank: no collective to time out
+
     one = train(_cfg(tmp_path / "a"))
+    assert micro_batches == [1] * 8
+    micro_batches.clear()
     four = train(_cfg(tmp_path / "b", "--training.local_batch_size=2"))  # 4 micro-steps
+    assert micro_batches == [4] * 8
     assert len(one) == len(four) == 8
     for r1, r4 in zip(one, four):
         assert math.isclose(r1["loss"], r4["loss"], rel_tol=1e-5), (r1["step"], r1["loss"], r4["loss"])
         assert math.isclose(r1["grad_norm"], r4["grad_norm"], rel_tol=1e-5)
+
+    # One step more, against `one`'s first (seed 0, the same data): the keys the loop itself reads.
+    max_norms.clear()
+    timeouts.clear()
+    # 100 s: a timeout below 2 x watchdog.min_seconds (30) is refused at setup.
+    reseeded = train(_cfg(tmp_path / "c", "--training.steps=1", "--training.seed=1", "--training.max_norm=0.5",
+                          "--comm.train_timeout_seconds=100"))
+    assert reseeded[0]["loss"] != one[0]["loss"]  # other initial weights
+    assert max_norms == [0.5] and timeouts == [100]
 
 
 def test_outputs_metrics_contract_and_config(tmp_path):
