@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.helpers import RECIPES, REPO, run_cli
 from trainlib.checkpoint import complete_steps
 
@@ -63,6 +65,7 @@ def _clean_env(**kw) -> dict:
     return env | {k: str(v) for k, v in kw.items()}
 
 
+@pytest.mark.slow  # two torchrun agents (7 s); CI's slow suite runs it
 def test_two_nodes_on_localhost_form_one_job(tmp_path):
     env = _clean_env(NNODES=2, NPROC_PER_NODE=1, MASTER_ADDR="127.0.0.1", MASTER_PORT=_free_port(),
                      RDZV_ID="test-two-nodes", PYTHONPATH=REPO)
@@ -109,6 +112,7 @@ def _records(run_dir) -> list[dict]:
     return [json.loads(x) for x in path.read_text().splitlines()] if path.exists() else []
 
 
+@pytest.mark.slow  # three SLURM-like runs of two agents (20 s); CI's slow suite runs it
 def test_slurm_batch_script_trains_is_preempted_and_requeued(tmp_path):
     """As slurmd runs it: SIGUSR1 to the batch script (SLURM's --signal=B:USR1)
     reaches every node's workers through srun and torchrun; they save and stop

@@ -10,6 +10,7 @@ import pytest
 from tests.helpers import REPO, run_cli
 
 
+@pytest.mark.slow  # two training runs and a figure (10 s); CI's slow suite runs it
 def test_report_overlays_two_real_runs(tmp_path):
     image = pytest.importorskip("matplotlib.image", reason="the PNG needs matplotlib: pip install -e '.[dev]'")
 
