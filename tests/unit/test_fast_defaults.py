@@ -89,9 +89,12 @@ def test_one_rank_bf16_build(impl, offload, reshard, reduce):
 def test_one_rank_build_follows_the_loss_keys():
     whole = build_on_one_rank(load_job_config(None, ["--loss.chunked=false"]))
     assert whole.loss_chunk_tokens is None and whole.parts[0].output_in_forward  # the model computes the logits
-    chunked = build_on_one_rank(load_job_config(None, ["--loss.chunk_tokens=100"]))  # auto would be 256 on CPU
+    chunked = build_on_one_rank(load_job_config(None, ["--loss.chunk_tokens=100",  # auto would be 256 on CPU
+                                                       "--parallelism.tp_loss_parallel=false"]))
     assert chunked.loss_chunk_tokens == 100 and chunked.loss_fn.keywords["chunk_tokens"] == 100
     assert not chunked.parts[0].output_in_forward
+    # Under TP the chunked loss, not the output layer, decides whether the logits' vocab shards are gathered.
+    assert chunked.loss_fn.keywords["loss_parallel"] is False
 
 
 def test_compile_backend_reaches_every_compiled_function(monkeypatch):
