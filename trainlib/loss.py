@@ -154,12 +154,11 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             if grad_h is not None:
                 dh = g @ w
                 grad_h[start:start + hc.shape[0]] = dh.full_tensor() if isinstance(dh, DTensor) else dh
-            if grad_w is None:
-                pass
-            elif g.dtype == acc_dtype:
-                grad_w.addmm_(g.T, x)
-            else:  # the chunk's product rounds once to bf16/fp16; the running sum stays fp32
-                grad_w += g.T @ x
+            if grad_w is not None:
+                if g.dtype == acc_dtype:
+                    grad_w.addmm_(g.T, x)
+                else:  # the chunk's product rounds once to bf16/fp16; the running sum stays fp32
+                    grad_w += g.T @ x
             losses.append(loss.detach())
             start += hc.shape[0]
         # Held until the backward in the parameter's dtype, as its gradient will be.

@@ -211,8 +211,9 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
                   schedule=par.pp_schedule, n_stages=b.n_stages, stages_per_rank=b.stages_per_rank,
                   n_microbatches=b.n_microbatches, mb_tokens=mb * t.seq_len / dims.cp, fsdp=b.fsdp,
                   reshard=reshard_after_forward(par.fsdp_reshard_after_forward, dims.pp_enabled),
-                  block_params=b.block_params,
-                  loss_chunk_tokens=loss_chunk_tokens(cfg, args.vocab_size, dims.tp, "cuda") if cfg.loss.chunked else None)
+                  block_params=b.block_params,  # the loss's chunk as it would be resolved on the GPUs planned for
+                  loss_chunk_tokens=loss_chunk_tokens(cfg, args.vocab_size, dims.tp, "cuda") if cfg.loss.chunked
+                  else None)
     stages = []
     for r in b.ranks:
         mem = rank_memory(s, ac, r.pp_rank, r.stage_ids, r.layers, r.has_embedding, r.has_output, r.state,
