@@ -32,8 +32,9 @@ class LossConfig:
     # tensors at once at the loss).
     chunked: bool = True
     # Tokens per chunk; 0 = auto (resolve_chunk_tokens: 256 on CPU, up to
-    # 2048 on CUDA). A chunk's transient memory is about 4 fp32
-    # [chunk_tokens, vocab / tp] tensors (256 x 128256: 0.5 GB).
+    # 2048 on CUDA). A chunk's transient memory is about 3 fp32
+    # [chunk_tokens, vocab / tp] tensors (256 x 128256: 0.4 GB), plus the
+    # logits and their gradient in bf16 when the matmuls run in bf16.
     chunk_tokens: int = 0
 
     def __post_init__(self) -> None:
@@ -43,8 +44,8 @@ class LossConfig:
 
 # Auto chunk sizes. On CPU memory is what binds (issue 11: 8192 tokens of
 # Llama 3's vocabulary under 2 GiB of process peak). On a GPU every chunk
-# reads and writes the whole fp32 [vocab, dim] weight-gradient accumulator
-# (4.2 GB for Llama 3 8B's output layer), and a chunk of few tokens makes
+# reads and writes the whole fp32 [vocab, dim] weight-gradient sum (2.1 GB
+# for Llama 3 8B's output layer: 4.2 GB of traffic), and a chunk of few tokens makes
 # the dh = g W matmul a thin one, so fewer, larger chunks are faster: 2048
 # tokens, or fewer where that chunk's fp32 logits would pass 1 GiB.
 CPU_CHUNK_TOKENS = 256

@@ -160,7 +160,8 @@ def logits_loss_bytes(s: StepShape, has_out: bool) -> float:
     n_held = s.n_microbatches if s.schedule in ("GPipe", "LoopedBFS") and s.pp > 1 else 1
     if s.loss_chunk_tokens is not None:
         w_numel = s.args.vocab_size / s.tp * s.args.dim  # the weight is vocab-sharded under TP, loss parallel or not
-        summing = (4 + (s.elem if s.elem < 4 else 0)) * w_numel
+        acc = max(4, s.elem)  # the sum's dtype: fp32, or the compute dtype where wider (trainlib.loss)
+        summing = (acc + (s.elem if s.elem < acc else 0)) * w_numel
         return 12 * min(s.loss_chunk_tokens, s.mb_tokens) * vocab_local + summing + (n_held - 1) * s.elem * w_numel
     return (4 * (n_held - 1) + 12) * s.mb_tokens * vocab_local
 
