@@ -16,6 +16,7 @@ LAYOUTS = {  # world 2
     "PP2 ZBVZeroBubble": {"pp": 2, "pp_schedule": "ZBVZeroBubble"},  # V placement: two stages on a rank
     "TP2": {"tp": 2},
     "CP2": {"cp": 2},
+    "CP2 contiguous": {"cp": 2, "cp_load_balance": False},  # the key reaches validation's batch split
     "PP2 1F1B": {"pp": 2, "pp_schedule": "1F1B"},
     "PP2 Interleaved1F1B": {"pp": 2, "pp_schedule": "Interleaved1F1B"},
     "PP2 DualPipeV": {"pp": 2, "pp_schedule": "DualPipeV"},
