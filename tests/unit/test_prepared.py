@@ -416,3 +416,19 @@ def test_on_the_fly_tokens_seen(raw):
     dl = build_dataloader(DataConfig(path=str(raw)), BYTE, 8, 3)
     take(dl, 2)
     assert dl.tokens_seen_per_dataset() == {str(raw): 2 * 3 * 8}
+
+
+def test_file_sha256_hashes_every_block(tmp_path):
+    """The tokenizer identity's file hash covers the whole file, read in 1 MiB
+    blocks (Python 3.10 has no hashlib.file_digest): a change in the last block
+    changes it."""
+    import hashlib
+
+    data = bytearray(os.urandom((5 << 19) + 7))  # 2.5 MiB + 7 B: three blocks, the last partial
+    path = tmp_path / "tokenizer.json"
+    path.write_bytes(data)
+    before = prepared.file_sha256(str(path))
+    assert before == hashlib.sha256(data).hexdigest()
+    data[-1] ^= 1
+    path.write_bytes(data)
+    assert prepared.file_sha256(str(path)) == hashlib.sha256(data).hexdigest() != before

@@ -62,8 +62,11 @@ def token_dtype(vocab_size: int) -> str:
 
 
 def file_sha256(path: str) -> str:
-    with open(path, "rb") as f:
-        return hashlib.file_digest(f, "sha256").hexdigest()
+    h = hashlib.sha256()
+    with open(path, "rb") as f:  # in blocks: hashlib.file_digest is Python 3.11+, and we support 3.10
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
 
 
 def tokenizer_identity(tokenizer: Any) -> dict:
