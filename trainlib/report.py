@@ -169,7 +169,9 @@ def figure(panels: list[Panel], legend: list[Series], title: str):
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
     rows = math.ceil((len(panels) + 1) / 3)
-    fig = Figure(figsize=(16, 4.6 * rows), dpi=100, layout="constrained")
+    # 4.5 in a row: whole pixels at 100 dpi (4.6 x 2 x 100 is 919.99... in binary
+    # floating point, which matplotlib 3.10 floors to 919 rows and 3.11 rounds to 920)
+    fig = Figure(figsize=(16, 4.5 * rows), dpi=100, layout="constrained")
     fig.suptitle(title, fontsize=13)
     axes = list(fig.subplots(rows, 3, squeeze=False).flat)
     for ax, panel in zip(axes, panels):

@@ -29,4 +29,4 @@ def test_report_overlays_two_real_runs(tmp_path):
         last = json.loads((tmp_path / name / "metrics.jsonl").read_text().splitlines()[-1])
         assert f"{name} (optimizer.lr=" in page and f"<td>{last['loss']:.4g}</td>" in page
     png = image.imread(tmp_path / "cmp.png")
-    assert png.shape[:2] == (920, 1600) and (png[..., :3] < 0.9).any(axis=-1).mean() > 0.01
+    assert png.shape[:2] == (900, 1600) and (png[..., :3] < 0.9).any(axis=-1).mean() > 0.01

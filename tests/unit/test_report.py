@@ -76,7 +76,7 @@ def test_report_writes_a_png_and_a_self_contained_page(resumed, tmp_path):
     assert "resumed" in page and "val_loss, step 6: 3.14159" in page and "<svg" in page
     assert "http" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")  # nothing fetched
     png = matplotlib.imread(written[1])
-    assert png.shape[:2] == (920, 1600)  # 16 x 9.2 inches at 100 dpi: two rows of three
+    assert png.shape[:2] == (900, 1600)  # 16 x 9 inches at 100 dpi: two rows of three
     assert (png[..., :3] < 0.9).any(axis=-1).mean() > 0.01  # lines and text, not a blank canvas
 
 
