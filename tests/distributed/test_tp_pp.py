@@ -1,10 +1,13 @@
 """Tensor and pipeline parallelism: stage split, config rules, init, and loss-curve parity."""
 
+import dataclasses
 
+import pytest
 import torch
 
 from tests.helpers import spawn
-from trainlib.models.llama3 import Transformer, get_model_args
+from trainlib.errors import ConfigError
+from trainlib.models.llama3 import Transformer, get_model_args, parallelize_llama
 from trainlib.parallel import ParallelDims
 from trainlib.parallel import pp as pp_lib
 
@@ -18,7 +21,6 @@ def _check_init(rank, world, layouts):
 def _check_init_one(world, layout):
     from torch.distributed.tensor import DTensor
 
-    from trainlib.models.llama3 import parallelize_llama
     from trainlib.parallel import init_model_weights
     from trainlib.parallel.config import ParallelismConfig
 
@@ -88,13 +90,6 @@ def _check_tp_layouts(model, ref, par):
 def _check_tp_async_refused_on_cpu(dims, par):
     """tp_async needs CUDA symmetric memory; on a CPU mesh parallelize refuses it
     itself, not only validate_job."""
-    import dataclasses
-
-    import pytest
-
-    from trainlib.errors import ConfigError
-    from trainlib.models.llama3 import parallelize_llama
-
     with torch.device("meta"):
         model = Transformer(get_model_args("debug"), rope_len=64)
     with pytest.raises(ConfigError, match="tp_async needs CUDA devices.*mesh is on 'cpu'"):
