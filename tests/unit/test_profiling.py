@@ -83,15 +83,19 @@ def test_memory_snapshot_at_the_chosen_step_on_cuda(tmp_path):
     assert snapshot["segments"] and snapshot["device_traces"][0]  # what memory_viz draws
 
 
+# Python 3.12 starts with objects frozen (375 on 3.12.1) that gc.unfreeze() leaves; 0 on 3.10, 3.11, 3.13.
+INTERPRETER_FROZEN = gc.get_freeze_count()
+
+
 @contextlib.contextmanager
 def _watch_gc(monkeypatch):
-    """Record, at every step's forward-backward, whether automatic collection is on and how many
+    """Record, at every step's forward-backward, whether automatic collection is on and whether
     objects are frozen; and count full (generation-2) collections while the loop runs."""
     seen, collections = [], []
     real = train_module.forward_backward
 
     def watched(*args):
-        seen.append((gc.isenabled(), gc.get_freeze_count() > 0))
+        seen.append((gc.isenabled(), gc.get_freeze_count() > INTERPRETER_FROZEN))
         return real(*args)
 
     def count(phase, info):
@@ -111,7 +115,7 @@ def test_gc_is_off_during_training_with_a_collection_every_gc_freq_steps(tmp_pat
         train(_cfg(tmp_path, "--training.steps=6", "--training.gc_freq=2"))
     assert seen == [(False, True)] * 6
     assert collections[:3] == [1, 3, 5]  # before steps 2, 4, 6 (then train's own cleanup)
-    assert gc.isenabled() and gc.get_freeze_count() == 0  # restored
+    assert gc.isenabled() and gc.get_freeze_count() == INTERPRETER_FROZEN  # restored
 
 
 def test_gc_freq_0_leaves_python_collection_automatic(tmp_path, monkeypatch):
