@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import hashlib
 import json
 import os
 import time
@@ -422,8 +423,6 @@ def test_file_sha256_hashes_every_block(tmp_path):
     """The tokenizer identity's file hash covers the whole file, read in 1 MiB
     blocks (Python 3.10 has no hashlib.file_digest): a change in the last block
     changes it."""
-    import hashlib
-
     data = bytearray(os.urandom((5 << 19) + 7))  # 2.5 MiB + 7 B: three blocks, the last partial
     path = tmp_path / "tokenizer.json"
     path.write_bytes(data)
