@@ -52,7 +52,7 @@ def _newer_uses(tree: ast.AST) -> list[str]:
                          for a in node.names if a.name in NEWER_MODULES and not guarded)
         elif isinstance(node, ast.Name) and node.id in NEWER_BUILTINS:
             found.append(f"{node.id} ({NEWER_BUILTINS[node.id]}+)")
-        elif type(node).__name__ == "TryStar":
+        elif type(node).__name__ == "TryStar":  # by name: ast.TryStar itself is 3.11+
             found.append("except* (3.11+)")
         for child in ast.iter_child_nodes(node):
             visit(child, guarded)
