@@ -13,10 +13,14 @@ a lot; times compare modes only).
 from __future__ import annotations
 
 import argparse
+import os
+import sys
 import time
 
 import torch
 from torch.distributed._tools.mem_tracker import MemTracker
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's trainlib
 
 from trainlib.loss import cross_entropy_sum
 from trainlib.models.llama3 import Transformer, get_model_args

@@ -36,6 +36,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's trainlib
+
 from trainlib.config import ConfigError, load_job_config
 from trainlib.config.cli import RecipeArgumentParser
 from trainlib.launch import train_command

@@ -17,9 +17,12 @@ from __future__ import annotations
 import argparse
 import os
 import resource
+import sys
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's trainlib
 
 from trainlib.loss import cross_entropy_sum
 from trainlib.models.llama3 import Transformer, get_model_args, parallelize_llama

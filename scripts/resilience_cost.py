@@ -22,12 +22,15 @@ import argparse
 import hashlib
 import os
 import statistics
+import sys
 import tempfile
 import time
 import zlib
 
 import torch
 import torch.distributed as dist
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's trainlib
 
 from trainlib.resilience import StepMonitor, WatchdogConfig
 
