@@ -1,11 +1,10 @@
 """float8 training (torchao): which linears convert, with which recipe's
 scaling, and a clear refusal on old GPUs."""
 
-import re
-
 import pytest
 import torch
 
+from tests.gpu.test_float8_ac_compile import grads
 from tests.helpers import needs_cxx_compiler
 from trainlib import float8 as float8_lib
 from trainlib.float8 import (
@@ -14,6 +13,7 @@ from trainlib.float8 import (
     convert_float8,
 )
 from trainlib.models.llama3 import Transformer, get_model_args
+from trainlib.params import canonical_name
 
 
 def _converted_types(model):
@@ -239,12 +239,10 @@ def test_rounding_setting_makes_compiled_rowwise_compute_what_eager_computes():
     inside its fused kernels, and one changed bit moves a row's float8 scale.
     The GPU fault, a recompute that differs from its forward, does not show on
     CPU (tests/gpu/test_float8_ac_compile.py looks for it there)."""
-    from tests.gpu.test_float8_ac_compile import grads
-
     def run(compiled, rounded=True):
         loss, _, named = grads("cpu", "rowwise", "selective_op", "every_other_mm", compiled, n_layers=2, seq=64,
                                flavor="debug", round_like_eager=rounded)
-        return loss, {re.sub(r"\._(checkpoint_wrapped_module|orig_mod)", "", n): g for n, g in named.items()}
+        return loss, {canonical_name(n): g for n, g in named.items()}
 
     eager, rounded, unrounded = run(False), run(True), run(True, rounded=False)
     assert eager[1].keys() == rounded[1].keys() == unrounded[1].keys()
