@@ -6,11 +6,8 @@ refuses the 3.11+ names a 3.11 run cannot notice. Syntax newer than 3.11
 The whole suite was also run by hand on 3.10 (README, "Supported versions")."""
 
 import ast
-from pathlib import Path
 
-import trainlib
-
-REPO = Path(trainlib.__file__).parent.parent
+from tests.helpers import REPO
 
 # module -> names added after 3.10 (the version that added them)
 NEWER = {
