@@ -150,8 +150,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             with torch.enable_grad():
                 logits = F.linear(x, w).detach().requires_grad_()
                 loss = ce(_for_ce(logits, loss_parallel), lc)
+            # In the logits' dtype: autograd casts back through ce's fp32 upcast.
             (g,) = torch.autograd.grad(loss, logits)
-            g = g.to(w.dtype)  # as autograd casts back from ce's fp32 upcast
             if grad_h is not None:
                 dh = g @ w
                 grad_h[start:start + hc.shape[0]] = dh.full_tensor() if isinstance(dh, DTensor) else dh
