@@ -47,6 +47,10 @@ def _check_clip_on(mesh, max_norm):
     parts = [[torch.randn(4, generator=gen) for _ in range(2)] for _ in range(2)]
     full.append(sum(parts[i][j] for i in range(2) for j in range(2)))
     params.append(_param(mesh, full[-1], [Partial(), Partial()], parts[a][b].clone()))
+    # A pending average (not sum) over b: left to DTensor's own redistribute.
+    parts = [torch.randn(2, 3, generator=gen) for _ in range(2)]
+    full.append((parts[0] + parts[1]) / 2)
+    params.append(_param(mesh, full[-1], [Replicate(), Partial("avg")], parts[b].clone()))
     # Already final: replicated.
     full.append(torch.randn(3, 2, generator=gen))
     params.append(_param(mesh, full[-1], [Replicate(), Replicate()], full[-1].clone()))
@@ -58,9 +62,36 @@ def _check_clip_on(mesh, max_norm):
     coef = min(1.0, max_norm / (want + 1e-6)) if max_norm > 0 else 1.0
     for i, (p, g) in enumerate(zip(params, full)):
         assert not any(pl.is_partial() for pl in p.grad.placements), (i, p.grad.placements)
-        assert p.grad.shape == p.shape
+        assert p.grad.shape == p.shape and p.grad.stride() == p.stride(), (i, p.grad.stride())
         torch.testing.assert_close(p.grad.full_tensor(), g * coef, rtol=1e-6, atol=1e-7, msg=f"gradient {i}")
 
 
 def test_clip_scales_pending_sum_gradients_and_leaves_none_pending():
     spawn(_check_clip, 4)
+
+
+def _check_clip_over_stages(rank, world):
+    """Each pipeline stage holds different layers: the norm sums the squares
+    of every stage's gradients, and every stage scales by that one norm."""
+    pp_mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("pp",))
+    stage = pp_mesh.get_local_rank()
+    grads = [torch.full((3,), 3.0 * (stage + 1)), torch.full((2, 2), -1.0 - stage)]
+    params = [torch.nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for p, g in zip(params, grads):
+        p.grad = g.clone()
+    params.append(torch.nn.Parameter(torch.zeros(4)))  # no gradient (frozen or unused here): skipped
+    want = math.sqrt(3 * 9 + 4 * 1 + 3 * 36 + 4 * 4)
+    norm = clip_grad_norm_(iter(params), 1.0, pp_mesh=pp_mesh)  # any iterable, read once
+    assert abs(float(norm) - want) < 1e-6 * want, (float(norm), want)
+    for p, g in zip(params, grads):
+        torch.testing.assert_close(p.grad, g / (want + 1e-6))
+    assert params[-1].grad is None
+    # A stage with no gradients at all still joins the sum.
+    mine = [torch.nn.Parameter(torch.zeros(2))] if stage == 0 else []
+    for p in mine:
+        p.grad = torch.tensor([3.0, 4.0])
+    assert float(clip_grad_norm_(mine, 0.0, pp_mesh=pp_mesh)) == 5.0
+
+
+def test_clip_norm_spans_pipeline_stages():
+    spawn(_check_clip_over_stages, 2)
