@@ -115,7 +115,7 @@ def test_manifest_detects_truncated_and_missing_files_and_load_falls_back(tmp_pa
     assert complete_steps(ck.root) == [1] and (ck.root / "step-3.corrupt").is_dir()
 
 
-@pytest.mark.parametrize("poison", ["weight", "moment"])
+@pytest.mark.parametrize("poison", ["weight", "moment", "hyper-parameter"])
 def test_a_checkpoint_with_a_non_finite_value_is_refused(tmp_path, poison):
     from trainlib.checkpoint import incomplete_folders
     from trainlib.errors import TrainingStopped
@@ -127,9 +127,12 @@ def test_a_checkpoint_with_a_non_finite_value_is_refused(tmp_path, poison):
     with torch.no_grad():  # a NaN that got past the guard some other way
         if poison == "weight":
             model.layers["1"].attention.wq.weight[3, 5] = float("inf")
-        else:
+        elif poison == "moment":
             opt.state[model.norm.weight]["exp_avg_sq"][0] = float("nan")
-    name = "model.layers.1.attention.wq.weight" if poison == "weight" else "optimizer.state.norm.weight.exp_avg_sq"
+        else:  # a float inside a tuple inside the param groups' list
+            opt.param_groups[0]["betas"] = (0.9, float("nan"))
+    name = {"weight": "model.layers.1.attention.wq.weight", "moment": "optimizer.state.norm.weight.exp_avg_sq",
+            "hyper-parameter": "optimizer.param_groups.0.betas.1"}[poison]
     with pytest.raises(TrainingStopped, match=rf"^checkpoint of step 2 refused: 1 tensors hold NaN or Inf "
                                               rf"\(this rank: {name}\); the latest complete checkpoint stays step 1$"):
         ck.maybe_save(2, last_step=3)

@@ -366,6 +366,15 @@ def test_data_errors(tmp_path, docs_file):
     empty_dir.mkdir()
     with pytest.raises(ValueError, match="no supported files"):
         build(path=str(empty_dir))
+    with pytest.raises(ValueError, match=r"data\.path=.*\*\.csv' matches no supported files: expected"):
+        build(path=str(tmp_path / "*.csv"))  # files, none of them readable
+    with pytest.raises(ValueError, match=r"data\.shuffle_buffer_size=0 must be >= 1"):
+        build(path=docs_file, shuffle_buffer_size=0)
+    numbers = tmp_path / "numbers.jsonl"
+    numbers.write_text('{"text": "fine"}\n{"text": 5}\n')
+    with pytest.raises(ValueError, match=r"data\.text_field='text' of .*numbers\.jsonl.* holds int, not text"):
+        for _ in range(4):
+            next(build(path=str(numbers)))
     with pytest.raises(ValueError, match=r"data\.text_field='body' is not a field.*fields present: \['id', 'text'\]"):
         build(path=docs_file, text_field="body")
     with pytest.raises(ValueError, match="exclusive"):
