@@ -182,3 +182,28 @@ def test_non_finite_values_stay_valid_json_and_records_at_one_point_share_the_wi
         assert event[key] == logged[key] and logged[key] > 0, key
     event_line = capsys.readouterr().out.splitlines()[0]  # the console shows the values themselves
     assert "| loss     nan | grad_norm     inf |" in event_line and event_line.endswith("| nonfinite")
+
+
+def test_step_time_and_tokens_per_second_cover_the_steps_since_the_last_record_without_untimed_work(
+        tmp_path, monkeypatch):
+    import trainlib.metrics as metrics_mod
+
+    clock = [100.0]
+    monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: clock[0])
+    m = MetricsLogger(MetricsConfig(log_freq=4), tmp_path, rank=0, device=torch.device("cpu"),
+                      flops_per_token=1e6, world_size=2, total_steps=8)
+    for _ in range(4):  # four steps of 1.5 s and 3000 tokens each
+        clock[0] += 1.5
+        m.step_done(3000)
+    with m.untimed():  # e.g. validation: 10 s that are not training
+        clock[0] += 10.0
+    r = m.log(4, loss=2.0, grad_norm=0.5, lr=1e-3)
+    assert r["step_time_s"] == 1.5 and r["tokens_per_second"] == 2000.0
+    assert r["tflops"] == 2000.0 / 2 * 1e6 / 1e12 and r["tokens_seen"] == 12000
+    clock[0] += 7.0
+    again = m.log(4, loss=2.0, grad_norm=0.5, lr=1e-3, val_loss=2.5)  # a second record of the same step
+    assert (again["step_time_s"], again["tokens_per_second"]) == (1.5, 2000.0)
+    clock[0] += 2.0
+    m.step_done(1000)
+    r = m.log(5, loss=2.0, grad_norm=0.5, lr=1e-3)  # the window restarts at the last record
+    assert (r["step_time_s"], r["tokens_per_second"]) == (2.0, 500.0)
