@@ -63,6 +63,11 @@ class Preempted(Exception):
         self.step = step
 
 
+def verdict_line(exc: TrainingStopped | Preempted) -> str:
+    """The one line that says why a run stopped on purpose."""
+    return f"trainlib: {'preempted' if isinstance(exc, Preempted) else 'stopped'}: {exc}"
+
+
 def _rank() -> int:
     return int(os.environ.get("RANK", 0))
 

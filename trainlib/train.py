@@ -30,7 +30,7 @@ from trainlib.config.validate import resolve_local_batch_size, validate_job, val
 from trainlib.data import DataLoader, build_dataloader, build_tokenizer
 from trainlib.distributed import DistInfo, destroy_distributed, init_distributed, set_collective_timeout
 from trainlib.errors import (EXIT_INTERNAL, EXIT_PREEMPTED, EXIT_STOPPED, EXIT_USER, Preempted, TrainingStopped,
-                             print_once_per_node, report_crash)
+                             print_once_per_node, report_crash, verdict_line)
 from trainlib.float8 import float8_post_optimizer_step
 from trainlib.guard import Guard
 from trainlib.loss import count_targets, cross_entropy_sum
@@ -213,8 +213,10 @@ def train(cfg: JobConfig) -> list[dict]:
     """Run a whole job; returns the logged metric records (rank 0's view).
     Raises ConfigError for bad input (before training, or when the data turns
     out bad), TrainingStopped when the guard stops the run, Preempted after a
-    SIGTERM/SIGUSR1 stop's checkpoint; any other exception is a bug or a
-    failure of the machine and propagates as it is."""
+    SIGTERM/SIGUSR1 stop's checkpoint (for these two it first prints the
+    verdict line on local rank 0's stderr, and every rank waits for every
+    other); any other exception is a bug or a failure of the machine and
+    propagates as it is."""
     info = init_distributed(cfg.comm, cfg.job.device, dump_dir=Path(cfg.job.dump_folder) / "hang")
     setup_logging(info.rank)
     if cfg.job.description:  # also in the run folder's config.toml
@@ -238,6 +240,15 @@ def train(cfg: JobConfig) -> list[dict]:
             # holds) while the process groups still exist.
             del job
             gc.collect()
+    except (TrainingStopped, Preempted) as e:
+        # A verdict every rank reached alike: said, and every rank's cleanup
+        # done, before any rank leaves. Under torchrun the first worker to exit
+        # non-zero has the others terminated, which cut local rank 0's line
+        # (and the rest of its cleanup) whenever another rank got out first.
+        print_once_per_node(verdict_line(e))
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+        raise
     finally:
         destroy_distributed()
 
@@ -272,11 +283,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:  # the same input fails the same on every rank: one line per node
         print_once_per_node(f"trainlib: error: {e}")
         return EXIT_USER
-    except TrainingStopped as e:  # a verdict every rank reached alike
-        print_once_per_node(f"trainlib: stopped: {e}")
+    except TrainingStopped:  # a verdict every rank reached alike; train() has said it
         return EXIT_STOPPED
-    except Preempted as e:  # every rank saved the same step
-        print_once_per_node(f"trainlib: preempted: {e}")
+    except Preempted:  # every rank saved the same step; train() has said so
         return EXIT_PREEMPTED
     except Exception as e:  # not a message: the traceback, kept whole, once per node (trainlib.errors)
         report_crash(e, run_dir)

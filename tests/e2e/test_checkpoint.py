@@ -40,14 +40,15 @@ def _layout_args(layout: dict) -> tuple[int, list[str]]:
 
 def _run(folder: Path, layout: dict, extra=(), fault: str | None = None, markers: str = "faults", rc: int = 0):
     """One launch, which must exit with `rc`; with `fault`
-    ("POINT:STEP[:RANK[:ACTION]]", default KILL) it must die from that fault
-    (or exit with `rc` when it is not 0)."""
+    ("POINT:STEP[:RANK[:ACTION]]", default KILL; more after commas) it must die
+    from the first fault (or exit with `rc` when it is not 0)."""
     nproc, lay = _layout_args(layout)
     env = fault_env(folder.parent / markers, fault) if fault else None
     proc = run_cli([*BASE, f"--job.dump_folder={folder}", *lay, *extra], nproc=nproc, timeout=600, env=env)
     out = (proc.stdout + proc.stderr)[-4000:]
     if fault:
-        point, step, rank, action = (fault.split(":") + ["0", "KILL"][len(fault.split(":")) - 2:])[:4]
+        first = fault.split(",")[0].split(":")
+        point, step, rank, action = (first + ["0", "KILL"][len(first) - 2:])[:4]
         action = action if action in ("ENOSPC", "HANG") else "SIG" + action
         assert proc.returncode != 0 if not rc else proc.returncode == rc, out
         assert f"[fault injection] {action} rank {rank} at {point} of step {step}" in proc.stderr, out
@@ -318,11 +319,14 @@ def test_ten_kills_at_random_points_resume_on_the_same_curve(tmp_path, straight)
 def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_with_a_checkpoint(tmp_path, straight):
     """SIGTERM reaches rank 1 only, after step 3's update: both ranks finish
     step 4 (the flag is agreed on at every step's end), save step 4 (not a
-    save step of the interval) and exit with 75; the relaunch continues it."""
+    save step of the interval) and exit with 75; the relaunch continues it.
+    Rank 0's cleanup is made 3 s slower: rank 1 must not exit first (torchrun
+    would terminate rank 0 before it says why the run stopped)."""
     layout, folder = {"dp_shard": 2}, tmp_path / "run"
     extra = ["--checkpoint.interval=3"]
-    proc = _run(folder, layout, extra, fault="after_update:3:1:TERM")
-    assert proc.stderr.count(f"exitcode  : {EXIT_PREEMPTED}") >= 1, proc.stderr[-3000:]
+    proc = _run(folder, layout, extra, fault="after_update:3:1:TERM,slow_close:0:0")
+    assert "[fault injection] slow_close rank 0" in proc.stderr, proc.stderr[-3000:]
+    assert proc.stderr.count(f"exitcode  : {EXIT_PREEMPTED}") == 2, proc.stderr[-3000:]  # neither rank terminated
     assert proc.stderr.count("trainlib: preempted: SIGTERM or SIGUSR1: stopped after step 4, its checkpoint is saved") == 1
     assert complete_steps(folder / "checkpoint") == [3, 4] and _steps(folder) == [1, 2, 3, 4]
     for r in map(json.loads, (folder / "metrics.jsonl").read_text().splitlines()):  # per-rank step-time spread

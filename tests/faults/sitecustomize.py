@@ -34,6 +34,9 @@ disk, meant for mid_write); or HANG, which sleeps there forever. POINT is one of
     before_init      start-up, STEP 0: this rank has not touched torchrun's
                      store (entry of `trainlib.distributed.init_distributed`);
                      it waits 3 s first, so that the other ranks are in it
+    slow_close       the end of the run, STEP 0: this rank's end-of-run cleanup
+                     (entry of `MetricsLogger.close`) takes 3 s longer, as on
+                     a loaded machine's slowest rank; ACTION is ignored
 
 or one of these, which corrupt a value instead (ACTION is ignored):
 
@@ -72,7 +75,7 @@ from pathlib import Path
 
 SIGNAL_POINTS = ("after_update", "after_step", "before_commit", "async_in_flight", "mid_write", "before_init")
 VALUE_POINTS = ("nan_grad", "spike_loss", "raise_in_forward")
-POINTS = SIGNAL_POINTS + VALUE_POINTS
+POINTS = SIGNAL_POINTS + VALUE_POINTS + ("slow_close",)
 ACTIONS = ("ENOSPC", "HANG")  # besides signals
 
 
@@ -214,6 +217,19 @@ def _patch_init(module) -> None:
     module.init_distributed = init_distributed_
 
 
+def _patch_metrics(module) -> None:
+    cls = module.MetricsLogger
+    close = cls.close
+
+    def close_(self):
+        if _take("slow_close", 0):
+            _note("slow_close")
+            time.sleep(3)
+        close(self)
+
+    cls.close = close_
+
+
 def _patch_writer(module) -> None:
     cls = module.FileSystemWriter
     write_data = cls.write_data
@@ -279,6 +295,8 @@ if FAULTS:
         _patches["trainlib.parallel.grad"] = _patch_clip
     if "spike_loss" in _points:
         _patches["trainlib.loss"] = _patch_loss
+    if "slow_close" in _points:
+        _patches["trainlib.metrics"] = _patch_metrics
     if "raise_in_forward" in _points:
         _patches["trainlib.models.llama3.model"] = _patch_forward
     sys.meta_path.insert(0, _PatchOnImport(_patches))
