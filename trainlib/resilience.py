@@ -99,10 +99,11 @@ class Preemption:
         return bool(self._flag_view[0])
 
     def close(self) -> None:
-        """Restore the previous handlers, unless a signal came: the process is then
-        on its way out (exit 75), and torchrun sends SIGTERM to the other workers as
+        """Restore the previous handlers, unless a signal came to this rank or a
+        stop was agreed (one came to another rank): the process is then on its
+        way out (exit 75), and torchrun sends SIGTERM to the other workers as
         soon as one exits, which must not cut their exit short."""
-        if self.received is None:
+        if self.received is None and not self._flag_view[0]:
             for sig, previous in self._previous.items():
                 signal.signal(sig, previous)
         self._previous = {}
