@@ -190,6 +190,12 @@ def set_collective_timeout(seconds: float) -> None:
             logger.debug(f"could not set timeout on {group}: {e}")
 
 
+def barrier() -> None:
+    """Wait for every rank of the default group; nothing to wait for in a world of one."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -28,7 +28,7 @@ from trainlib.checkpoint.manager import latest_step, step_folder
 from trainlib.config import ConfigError, JobConfig, config_to_dict, load_job_config, save_config
 from trainlib.config.validate import resolve_local_batch_size, validate_job, validate_machine
 from trainlib.data import DataLoader, build_dataloader, build_tokenizer
-from trainlib.distributed import DistInfo, destroy_distributed, init_distributed, set_collective_timeout
+from trainlib.distributed import DistInfo, barrier, destroy_distributed, init_distributed, set_collective_timeout
 from trainlib.errors import (EXIT_INTERNAL, EXIT_PREEMPTED, EXIT_STOPPED, EXIT_USER, Preempted, TrainingStopped,
                              print_once_per_node, report_crash, verdict_line)
 from trainlib.float8 import float8_post_optimizer_step
@@ -246,8 +246,7 @@ def train(cfg: JobConfig) -> list[dict]:
         # non-zero has the others terminated, which cut local rank 0's line
         # (and the rest of its cleanup) whenever another rank got out first.
         print_once_per_node(verdict_line(e))
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+        barrier()
         raise
     finally:
         destroy_distributed()

@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from trainlib.checkpoint.convert import dcp_to_hf
 from trainlib.checkpoint.hf import checkpoint_format, load_hf_into_model, load_meta_into_model
 from trainlib.checkpoint.state import ModelState, TrainState, nonfinite_entries
+from trainlib.distributed import barrier
 from trainlib.errors import ConfigError, TrainingStopped
 
 logger = logging.getLogger("trainlib")
@@ -222,15 +223,15 @@ class Checkpointer:
         if not cfg.enable:
             return self._initial_load()
         if cfg.fresh_start:
-            self._barrier()
+            barrier()
             if self.rank == 0 and self.root.exists():
                 logger.warning(f"checkpoint.fresh_start: deleting existing checkpoints in {self.root}")
                 shutil.rmtree(self.root)
-            self._barrier()
+            barrier()
             return self._initial_load()
-        self._barrier()  # every rank sees the folder before rank 0 cleans it
+        barrier()  # every rank sees the folder before rank 0 cleans it
         stale = incomplete_folders(self.root)
-        self._barrier()
+        barrier()
         if stale and self.rank == 0:
             logger.warning(f"removing incomplete checkpoint folders (a save was interrupted): "
                            f"{', '.join(p.name for p in stale)}")
@@ -291,7 +292,7 @@ class Checkpointer:
         """Load the parts not in `exclude` from the latest complete checkpoint
         (after committing a save in flight). Returns its step, None if there is none."""
         self.wait()
-        self._barrier()
+        barrier()
         step = latest_step(self.root)
         if step is not None:
             self.load_from(step_folder(self.root, step), [k for k in self.states if k not in exclude])
@@ -341,7 +342,7 @@ class Checkpointer:
             if tmp.exists():
                 shutil.rmtree(tmp)
             tmp.mkdir(parents=True)
-        self._barrier()
+        barrier()
         mode = "disabled" if sync else self.cfg.async_mode
         if mode == "disabled":
             try:
@@ -397,7 +398,7 @@ class Checkpointer:
         self.wait()
         if self._last_saved != self.train_state.step:
             self.save(sync=True)
-        self._barrier()  # no rank exits (and has its launcher kill the others) before the commit
+        barrier()  # no rank exits (and has its launcher kill the others) before the commit
 
     def _save_failed(self, step: int, err: CheckpointException) -> None:
         """A full disk on any rank: one line, the partial folder removed, and
@@ -453,14 +454,14 @@ class Checkpointer:
         it back from disk, which gathers every shard of every layout (PP stages
         included) without collectives."""
         self.wait()
-        self._barrier()
+        barrier()
         if self.rank == 0:
             step = latest_step(self.root)
             if step is None:
                 raise ValueError(f"checkpoint.export_hf: no complete checkpoint in {self.root} to export")
             dcp_to_hf(step_folder(self.root, step), out_dir)
             logger.info(f"exported step {step} in Hugging Face format to {out_dir}")
-        self._barrier()
+        barrier()
 
     def close(self) -> None:
         self.wait()
@@ -481,10 +482,6 @@ class Checkpointer:
                 f"checkpoint of step {step} refused: {n.item()} tensors hold NaN or Inf"
                 + (f" (this rank: {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})" if bad else "")
                 + f"; the latest complete checkpoint stays {'step ' + str(latest) if latest is not None else 'none'}")
-
-    def _barrier(self) -> None:
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
 
 
 def _stop_checkpoint_process() -> None:
