@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+import warnings
 from pathlib import Path
 
 import pytest
@@ -227,6 +228,35 @@ def test_dp_sharding_same_global_batches(docs_file):
 def test_dp_rank_validation(docs_file):
     with pytest.raises(ValueError, match="dp_rank"):
         build_dataloader(DataConfig(path=docs_file), BYTE, 8, 2, dp_rank=2, dp_world=2)
+    with pytest.raises(ValueError, match=r"seq_len=0 must be >= 1"):
+        build_dataloader(DataConfig(path=docs_file), BYTE, 0, 2)
+    with pytest.raises(ValueError, match=r"local_batch_size=0 must be >= 1"):
+        build_dataloader(DataConfig(path=docs_file), BYTE, 8, 0)
+    dl = build_dataloader(DataConfig(path=docs_file), BYTE, 8, 2)
+    assert iter(dl) is dl  # an iterator of its own: `for batch in loader` continues where next() left off
+
+
+def test_resume_refuses_a_state_of_another_format_or_tokenizer(docs_file):
+    cfg = DataConfig(path=docs_file, shuffle_documents=True)
+    dl = build_dataloader(cfg, BYTE, 8, 2, seed=1)
+    take(dl, 2)
+    sd = dl.state_dict()
+    fresh = build_dataloader(cfg, BYTE, 8, 2, seed=1)
+    with pytest.raises(ValueError, match=r"data state_dict version 99 is not supported"):
+        fresh.load_state_dict({**sd, "version": 99})
+    with pytest.raises(ValueError, match=r"saved with a tokenizer of vocab_size=1000, this one has 258: resume with "
+                                         r"the same tokenizer"):
+        fresh.load_state_dict({**sd, "vocab_size": 1000})
+    with pytest.raises(ValueError, match=r"data state_dict has no 'epoch'"):
+        fresh.load_state_dict({k: v for k, v in sd.items() if k != "epoch"})
+    # Another shuffle seed or setting resumes (the position is still valid) but says the order differs.
+    for other in ({"seed": 2}, {"shuffle_documents": False}):
+        with pytest.warns(UserWarning, match="different shuffle_documents/seed"):
+            build_dataloader(cfg, BYTE, 8, 2, seed=1).load_state_dict({**sd, **other})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fresh.load_state_dict(sd)  # the same settings: no warning
+    assert fresh.state_dict() == sd
 
 
 @pytest.mark.parametrize("shuffle", [False, True])
@@ -243,9 +273,14 @@ def test_resume_identical(docs_file, shuffle):
         resumed = build_dataloader(cfg, BYTE, L, b, seed=3)
         resumed.load_state_dict(sd)
         assert resumed.state_dict() == sd
-        for want, got in zip(ref_batches[cut:], take(resumed, 40 - cut)):
+        got = take(resumed, 5)
+        # ... and a resumed run resumed again (its own state, saved past a document it seeked into)
+        again = build_dataloader(cfg, BYTE, L, b, seed=3)
+        again.load_state_dict(resumed.state_dict())
+        got += take(again, 40 - cut - 5)
+        for want, have in zip(ref_batches[cut:], got, strict=True):
             for k in want:
-                assert torch.equal(want[k], got[k]), (cut, k)
+                assert torch.equal(want[k], have[k]), (cut, k)
 
 
 def test_resume_with_different_dp_world(docs_file):
@@ -273,6 +308,34 @@ def test_resume_with_different_dp_world(docs_file):
         bad.load_state_dict(sd)
     with pytest.raises(ValueError, match="seq_len"):
         build_dataloader(cfg, BYTE, L + 1, 24).load_state_dict(sd)
+
+
+def test_resume_state_beyond_the_data_is_refused(docs_file, tmp_path):
+    # A checkpoint's data position resumed on other (shorter) data: refused
+    # with what to do, not a stream that silently starts somewhere else.
+    dl = build_dataloader(DataConfig(path=docs_file), BYTE, 8, 2)
+    take(dl, 3)
+    sd = dl.state_dict()
+    assert (sd["epoch"], sd["doc_index"], sd["token_offset"]) == (0, 2, 38)  # 48 tokens: 8 + 2 + 38 of the fox
+    shorter = write_jsonl(tmp_path / "short.jsonl", DOCS[:1])
+    for offset in (38, 0):  # inside a document, and on its first token
+        with pytest.raises(ValueError, match=r"data state points at document 2 of epoch 0, but the data has only 1 "
+                                             r"documents: resume with the same data as the checkpoint"):
+            build_dataloader(DataConfig(path=shorter), BYTE, 8, 2).load_state_dict({**sd, "token_offset": offset})
+    # Document 3 is "b" (3 tokens with BOS and EOS): an offset past its end is refused.
+    at_b = {**sd, "doc_index": 3}
+    with pytest.raises(ValueError, match=r"token offset 3 is outside document 3 \(3 tokens\): resume with the same data "
+                                         r"and tokenizer"):
+        build_dataloader(DataConfig(path=docs_file), BYTE, 8, 2).load_state_dict({**at_b, "token_offset": 3})
+    resumed = build_dataloader(DataConfig(path=docs_file), BYTE, 8, 2)
+    resumed.load_state_dict({**at_b, "token_offset": 2})  # its last token, the EOS: fine
+    assert next(resumed)["input"][0, :2].tolist() == [BYTE.eos_id, BYTE.bos_id]
+
+
+def test_data_path_expands_the_home_folder(docs_file, monkeypatch):
+    monkeypatch.setenv("HOME", str(Path(docs_file).parent))
+    got = next(build_dataloader(DataConfig(path="~/docs.jsonl"), BYTE, 8, 2))
+    assert torch.equal(got["input"], next(build_dataloader(DataConfig(path=docs_file), BYTE, 8, 2))["input"])
 
 
 def test_epoch_rollover_and_shuffle(docs_file):

@@ -1,5 +1,7 @@
 """Tensor and pipeline parallelism: stage split, config rules, init, and loss-curve parity."""
 
+import typing
+
 import pytest
 import torch
 
@@ -9,6 +11,7 @@ from trainlib.config.validate import validate_job, validate_machine
 from trainlib.models.llama3 import Transformer, get_model_args
 from trainlib.parallel import ParallelDims
 from trainlib.parallel import pp as pp_lib
+from trainlib.parallel.config import ParallelismConfig
 from trainlib.parallel.fsdp import reshard_after_forward
 
 DEBUG = str(RECIPES / "debug.toml")
@@ -52,6 +55,12 @@ def _validate(world, *overrides):
 def test_unknown_schedule_lists_the_valid_ones():
     with pytest.raises(ConfigError, match="ZBVZeroBubble"):
         load_job_config(DEBUG, ["--parallelism.pp_schedule=ZeroBubbleV"])
+    # The recipe key's choices are the library's schedules, and the library
+    # function (for custom loops, which skip the recipe) refuses alike.
+    choices = typing.get_args(typing.get_type_hints(ParallelismConfig)["pp_schedule"])
+    assert set(choices) == set(pp_lib.SCHEDULES)
+    with pytest.raises(ConfigError, match=r"unknown parallelism.pp_schedule 'ZeroBubbleV'; valid: GPipe, 1F1B"):
+        pp_lib.schedule_class("ZeroBubbleV")
 
 
 @pytest.mark.parametrize("overrides, match", [
