@@ -8,7 +8,9 @@
        failing ranks of that node print one line naming their file
     2  user input refused (`ConfigError`): a recipe key, a value, a combination
        of settings, a data/tokenizer/checkpoint path. One line,
-       `trainlib: error: ...`, per node, no traceback
+       `trainlib: error: ...`, no traceback: once per node for an error every
+       rank reaches alike, and also from a rank whose error is its own (a file
+       missing on its node, bad data in its shard) (`report_user_error`)
     3  the run stopped on purpose (`TrainingStopped`): the non-finite/spike
        guard's `stop` policy or its spent budget, or a checkpoint refused
        because it holds non-finite values. One line, `trainlib: stopped: ...`,
@@ -30,6 +32,7 @@ Stdlib only: the config loader and the launchers import this.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -79,6 +82,46 @@ def print_once_per_node(line: str) -> None:
         print(line, file=sys.stderr, flush=True)
 
 
+def report_user_error(exc: ConfigError) -> None:
+    """Say `trainlib: error: <exc>` on stderr, once per node for each distinct
+    message, and name it in torchrun's failure summary.
+
+    Under torchrun the first local rank to get here with a message prints it,
+    not necessarily local rank 0: a bad recipe fails every rank alike (one
+    line), but an error only one rank meets, such as a file missing on its
+    node or a bad record in its share of the data, must be said by that rank,
+    as the others may be stopped by torchrun before they fail. Each rank also
+    writes the line to its TORCHELASTIC_ERROR_FILE, so torchrun's summary
+    names every failing rank's error."""
+    line = f"trainlib: error: {exc}"
+    _tell_torchrun(line)
+    if _first_on_node(line):
+        print(line, file=sys.stderr, flush=True)
+
+
+def _first_on_node(line: str) -> bool:
+    """Whether this process is the first of its node's workers to claim `line`
+    (in torchrun's folder for this attempt, which every local worker shares
+    and a restart replaces); local rank 0 decides alone where there is none."""
+    error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
+    if not error_file or int(os.environ.get("LOCAL_WORLD_SIZE", 1)) == 1:
+        return int(os.environ.get("LOCAL_RANK", 0)) == 0
+    attempt = Path(error_file).parent.parent  # <log_dir>/<run_id>/attempt_<n>/<local_rank>/error.json
+    try:
+        return _claim(attempt / f"trainlib-said-{hashlib.sha256(line.encode()).hexdigest()[:16]}")
+    except OSError:  # not the layout above: say it from local rank 0 only, as before
+        return int(os.environ.get("LOCAL_RANK", 0)) == 0
+
+
+def _tell_torchrun(message: str) -> None:
+    """Under torchrun: `message` becomes this worker's entry in torchrun's
+    failure summary (its ErrorHandler's format, without a callstack), instead
+    of a link to torchrun's docs."""
+    if os.environ.get("TORCHELASTIC_ERROR_FILE"):
+        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
+            json.dump({"message": {"message": message, "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+
+
 def report_crash(exc: BaseException, run_dir: str | os.PathLike | None) -> None:
     """Report an internal error with its whole traceback, once per node.
 
@@ -111,11 +154,8 @@ def report_crash(exc: BaseException, run_dir: str | os.PathLike | None) -> None:
     else:
         sys.stderr.write(f"[rank {rank}] trainlib: rank {rank} failed too: {summary}; traceback in {path}\n")
     sys.stderr.flush()
-    if path and os.environ.get("TORCHELASTIC_ERROR_FILE"):
-        with open(os.environ["TORCHELASTIC_ERROR_FILE"], "w") as f:
-            # torchrun's format (its ErrorHandler's) without the callstack: its summary then shows this message.
-            json.dump({"message": {"message": f"{summary} (traceback: {path})",
-                                   "extraInfo": {"timestamp": str(int(time.time()))}}}, f)
+    if path:
+        _tell_torchrun(f"{summary} (traceback: {path})")
 
 
 def _claim(marker: Path) -> bool:

@@ -30,7 +30,7 @@ from trainlib.config.validate import resolve_local_batch_size, validate_job, val
 from trainlib.data import DataLoader, build_dataloader, build_tokenizer
 from trainlib.distributed import DistInfo, barrier, destroy_distributed, init_distributed, set_collective_timeout
 from trainlib.errors import (EXIT_INTERNAL, EXIT_PREEMPTED, EXIT_STOPPED, EXIT_USER, Preempted, TrainingStopped,
-                             print_once_per_node, report_crash, verdict_line)
+                             print_once_per_node, report_crash, report_user_error, verdict_line)
 from trainlib.float8 import float8_post_optimizer_step
 from trainlib.guard import Guard
 from trainlib.loss import count_targets, cross_entropy_sum
@@ -279,8 +279,8 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_job_config(ns.recipe, overrides)
         run_dir = cfg.job.dump_folder
         train(cfg)
-    except ConfigError as e:  # the same input fails the same on every rank: one line per node
-        print_once_per_node(f"trainlib: error: {e}")
+    except ConfigError as e:  # one line per node, and one from a rank whose error is its own
+        report_user_error(e)
         return EXIT_USER
     except TrainingStopped:  # a verdict every rank reached alike; train() has said it
         return EXIT_STOPPED

@@ -38,6 +38,22 @@ def test_user_error_under_torchrun_is_one_line_per_node(tmp_path):
     assert not TRAINLIB_FRAME.search(proc.stderr) and "[rank" not in proc.stderr
 
 
+def test_user_error_of_one_rank_is_said_by_that_rank(tmp_path):
+    # Rank 1 alone meets a user error mid-run (as a data file missing on its
+    # node would be); rank 0 waits in the step's collectives until torchrun
+    # stops it. The line must come from rank 1, which is not local rank 0.
+    proc = run_cli([*ARGS, f"--job.dump_folder={tmp_path / 'run'}"], nproc=2,
+                   env=fault_env(tmp_path / "f", "user_error:2:1"), timeout=300)
+    assert proc.returncode != 0, proc.stderr[-3000:]
+    ours = [x for x in proc.stderr.splitlines() if x.startswith("trainlib: error:")]
+    assert ours == ["trainlib: error: injected user error: forward of step 2 on rank 1"], proc.stderr[-3000:]
+    # torchrun's summary names the rank, its exit code and the error (from its error file)
+    assert re.search(r"rank\s+: 1 \(local_rank: 1\)\n\s+exitcode\s+: 2 \(pid: \d+\) *\n\s+error_file: \S+error\.json\n"
+                     r"\s+traceback\s+: trainlib: error: injected user error: forward of step 2 on rank 1", proc.stderr), \
+        proc.stderr[-3000:]
+    assert not TRAINLIB_FRAME.search(proc.stderr)
+
+
 def test_internal_error_keeps_its_traceback(tmp_path):
     run = tmp_path / "run"
     proc = run_cli([*ARGS, f"--job.dump_folder={run}"], env=fault_env(tmp_path / "f", "raise_in_forward:2"),

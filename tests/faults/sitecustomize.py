@@ -49,6 +49,9 @@ or one of these, which corrupt a value instead (ACTION is ignored):
                      of `trainlib.loss.cross_entropy_sum`): a loss spike
     raise_in_forward the Llama model's forward raises ValueError in step STEP
                      on this rank: an internal error, not a user error
+    user_error       the same forward raises ConfigError instead: a user error
+                     that this rank alone meets mid-run (as a data file missing
+                     on its node would be)
 
 The step of these is the one after the last step the run's `TrainState`
 recorded as done (or loaded from a checkpoint, a rollback's included).
@@ -74,7 +77,7 @@ import time
 from pathlib import Path
 
 SIGNAL_POINTS = ("after_update", "after_step", "before_commit", "async_in_flight", "mid_write", "before_init")
-VALUE_POINTS = ("nan_grad", "spike_loss", "raise_in_forward")
+VALUE_POINTS = ("nan_grad", "spike_loss", "raise_in_forward", "user_error")
 POINTS = SIGNAL_POINTS + VALUE_POINTS + ("slow_close",)
 ACTIONS = ("ENOSPC", "HANG")  # besides signals
 
@@ -248,8 +251,13 @@ def _patch_forward(module) -> None:
     forward = cls.forward
 
     def forward_(self, *args, **kwargs):
+        where = f"forward of step {_done[0] + 1} on rank {os.environ.get('RANK', '0')}"
         if _take("raise_in_forward", _done[0] + 1):
-            raise ValueError(f"injected fault: forward of step {_done[0] + 1} on rank {os.environ.get('RANK', '0')}")
+            raise ValueError(f"injected fault: {where}")
+        if _take("user_error", _done[0] + 1):
+            from trainlib.errors import ConfigError
+
+            raise ConfigError(f"injected user error: {where}")
         return forward(self, *args, **kwargs)
 
     cls.forward = forward_
@@ -297,6 +305,6 @@ if FAULTS:
         _patches["trainlib.loss"] = _patch_loss
     if "slow_close" in _points:
         _patches["trainlib.metrics"] = _patch_metrics
-    if "raise_in_forward" in _points:
+    if _points & {"raise_in_forward", "user_error"}:
         _patches["trainlib.models.llama3.model"] = _patch_forward
     sys.meta_path.insert(0, _PatchOnImport(_patches))

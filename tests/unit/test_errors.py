@@ -158,3 +158,28 @@ def test_bad_prepared_data_is_one_line_and_exit_2(capsys, tmp_path, prepared_dir
     assert main([*args, "--training.steps=1", f"--job.dump_folder={tmp_path / 'run'}", "--metrics.console=false"]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("trainlib: error: ") and expected in err, err[-3000:]
+
+
+def test_user_error_is_said_once_per_node_and_message_and_named_to_torchrun(capsys, tmp_path, monkeypatch):
+    from trainlib.errors import ConfigError, report_user_error
+
+    def worker(local_rank, exc):  # a torchrun worker of this node's attempt 0 (its error-file layout)
+        error_file = tmp_path / "run-id" / "attempt_0" / str(local_rank) / "error.json"
+        error_file.parent.mkdir(parents=True, exist_ok=True)
+        monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+        report_user_error(exc)
+        return json.loads(error_file.read_text())["message"]["message"], capsys.readouterr().err
+
+    same, line = ConfigError("every rank's recipe is bad"), "trainlib: error: every rank's recipe is bad"
+    assert worker(2, same) == (line, line + "\n")  # the first of the node to get here says it
+    assert worker(0, same) == (line, "")  # said already on this node; torchrun still gets it
+    own = ConfigError("a file missing on rank 3's node")
+    assert worker(3, own)[1] == "trainlib: error: a file missing on rank 3's node\n"  # another message: said too
+    # Without torchrun's folder (another launcher): local rank 0 speaks for the node.
+    monkeypatch.delenv("TORCHELASTIC_ERROR_FILE")
+    for local_rank, said in ((1, ""), (0, "trainlib: error: x\n")):
+        monkeypatch.setenv("LOCAL_RANK", str(local_rank))
+        report_user_error(ConfigError("x"))
+        assert capsys.readouterr().err == said
