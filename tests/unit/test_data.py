@@ -193,6 +193,13 @@ def test_packing_correctness(docs_file):
                 assert row_pos[j] == expect
 
 
+def test_null_text_is_an_empty_document(tmp_path):
+    path = tmp_path / "nulls.jsonl"
+    path.write_text('{"text": "ab"}\n{"text": null}\n{"text": "c"}\n')
+    got = next(build_dataloader(DataConfig(path=str(path)), BYTE, 8, 1))["input"][0].tolist()
+    assert got == token_stream(["ab", "", "c"], epochs=2)[:8]
+
+
 def test_packing_window_longer_than_documents(docs_file):
     L = 200  # longer than the whole corpus: windows span epochs
     dl = build_dataloader(DataConfig(path=docs_file), BYTE, L, 2)
@@ -431,6 +438,9 @@ def test_data_errors(tmp_path, docs_file):
         build(path=str(empty_dir))
     with pytest.raises(ValueError, match=r"data\.path=.*\*\.csv' matches no supported files: expected"):
         build(path=str(tmp_path / "*.csv"))  # files, none of them readable
+    (tmp_path / "x.parquet.gz").write_bytes(b"")  # parquet compresses inside the file, never around it
+    with pytest.raises(ValueError, match=r"data\.path=.*x\.parquet\.gz' has an unsupported extension"):
+        build(path=str(tmp_path / "x.parquet.gz"))
     with pytest.raises(ValueError, match=r"data\.shuffle_buffer_size=0 must be >= 1"):
         build(path=docs_file, shuffle_buffer_size=0)
     numbers = tmp_path / "numbers.jsonl"
@@ -453,6 +463,9 @@ def test_hf_dataset_is_streamed(monkeypatch):
     dl = build_dataloader(DataConfig(hf_dataset="org/corpus", hf_subset="en", split="validation"), BYTE, 8, 2)
     assert calls == [("org/corpus", "en", "validation", True)]
     assert next(dl)["input"].reshape(-1).tolist() == token_stream(DOCS)[:16]
+    # errors and logs name the source
+    assert repr(dl) == ("PackedDataLoader(hf_dataset='org/corpus' (en), seq_len=8, local_batch_size=2, dp_rank=0, "
+                        "dp_world=1)")
 
 
 def test_shipped_corpus():
