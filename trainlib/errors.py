@@ -76,8 +76,8 @@ def _rank() -> int:
 
 
 def print_once_per_node(line: str) -> None:
-    """`line` on stderr from local rank 0 only: every rank reaches the same
-    verdict (a bad config, a guard stop), and one copy per node is enough."""
+    """`line` on stderr from local rank 0 only: for a verdict every rank
+    reaches alike (a guard stop, a preemption), one copy per node is enough."""
     if int(os.environ.get("LOCAL_RANK", 0)) == 0:
         print(line, file=sys.stderr, flush=True)
 
