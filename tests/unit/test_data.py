@@ -329,6 +329,9 @@ def test_resume_state_beyond_the_data_is_refused(docs_file, tmp_path):
         with pytest.raises(ValueError, match=r"data state points at document 2 of epoch 0, but the data has only 1 "
                                              r"documents: resume with the same data as the checkpoint"):
             build_dataloader(DataConfig(path=shorter), BYTE, 8, 2).load_state_dict({**sd, "token_offset": offset})
+    two = write_jsonl(tmp_path / "two.jsonl", DOCS[:2])  # documents 0 and 1 exist, the one it is inside does not
+    with pytest.raises(ValueError, match=r"points at document 2 of epoch 0, but the data has only 2 documents"):
+        build_dataloader(DataConfig(path=two), BYTE, 8, 2).load_state_dict(sd)
     # Document 3 is "b" (3 tokens with BOS and EOS): an offset past its end is refused.
     at_b = {**sd, "doc_index": 3}
     with pytest.raises(ValueError, match=r"token offset 3 is outside document 3 \(3 tokens\): resume with the same data "
