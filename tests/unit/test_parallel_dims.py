@@ -20,8 +20,10 @@ def test_remaining_ranks_must_divide():
 
 @pytest.mark.parametrize("key", ["tp", "cp", "pp", "dp_replicate"])
 def test_degrees_positive(key):
-    with pytest.raises(ValueError, match=f"parallelism.{key} must be >= 1"):
+    with pytest.raises(ValueError, match=rf"parallelism.{key} must be >= 1, got 0$"):
         ParallelDims(**{key: 0}, world_size=1)
+    with pytest.raises(ValueError, match=r"parallelism.dp_shard must be >= 1 \(or -1 for 'all remaining ranks'\), got 0"):
+        ParallelDims(dp_shard=0, world_size=1)
 
 
 def test_meshes_need_build():
@@ -30,3 +32,33 @@ def test_meshes_need_build():
     assert ParallelDims(world_size=1).dp_coords() == (0, 1)
 
 
+
+
+@pytest.mark.parametrize("value", [2.0, True, "2"])
+def test_degrees_are_integers(value):
+    # The recipe loader checks types first; ParallelDims is also built directly by custom loops.
+    with pytest.raises(ValueError, match=rf"parallelism.tp must be an integer, got {value!r}"):
+        ParallelDims(tp=value, world_size=2)
+
+
+def test_from_config_and_enabled_axes():
+    from trainlib.parallel.config import ParallelismConfig
+
+    d = ParallelDims.from_config(ParallelismConfig(dp_replicate=2, dp_shard=-1, cp=2, tp=1, pp=2), world_size=16)
+    assert d.degrees() == {"pp": 2, "dp_replicate": 2, "dp_shard": 2, "cp": 2, "tp": 1}
+    assert (d.pp_enabled, d.cp_enabled, d.tp_enabled, d.hsdp_enabled, d.fsdp_enabled) == (True, True, False, True, True)
+    one = ParallelDims(world_size=1)
+    assert not (one.pp_enabled or one.cp_enabled or one.tp_enabled or one.hsdp_enabled or one.fsdp_enabled)
+
+
+def test_build_mesh_needs_a_process_group_of_its_world_size(tmp_path):
+    import torch.distributed as dist
+
+    with pytest.raises(RuntimeError, match="needs an initialised process group"):
+        ParallelDims(world_size=1).build_mesh("cpu")
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    try:
+        with pytest.raises(ValueError, match="built for world size 2, but the process group has 1 ranks"):
+            ParallelDims(dp_shard=2, world_size=2).build_mesh("cpu")
+    finally:
+        dist.destroy_process_group()
