@@ -9,7 +9,9 @@ from trainlib.parallel import ParallelDims
 
 def _check_mesh(rank, world):
     dims = ParallelDims(dp_replicate=1, dp_shard=2, cp=2, tp=1, pp=1, world_size=world)
-    dims.build_mesh("cpu")
+    full = dims.build_mesh("cpu")  # the 5-D mesh, outermost axis first
+    assert full is dims.mesh("world") and full.mesh_dim_names == ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+    assert tuple(full.shape) == (1, 1, 2, 2, 1)
     # layout (dp_shard, cp): ranks 0,1 share dp index 0 and differ in cp
     assert dims.mesh("cp").size() == 2 and dims.mesh("dp").size() == 2
     assert dims.mesh("dp_shard_cp").size() == 4 and dims.mesh("dp_cp").size() == 4
