@@ -39,6 +39,25 @@ def test_shard_rejects_indivisible_length():
         shard_sequence(torch.zeros(1, 10), 2, 0)
 
 
+def test_apply_cp_refuses_a_model_without_attention():
+    # A custom model whose attention does not expose `sdpa` would otherwise attend only
+    # within each rank's own sequence chunks: wrong, without a word.
+    from trainlib.parallel.cp import apply_cp
+
+    class TwoRankMesh:  # what apply_cp reads of a DeviceMesh
+        def size(self):
+            return 2
+
+        def get_local_rank(self):
+            return 0
+
+        def get_group(self):
+            return None
+
+    with pytest.raises(ValueError, match=r"apply_cp found no attention module \(with `sdpa` and `wq`\)"):
+        apply_cp(torch.nn.Sequential(torch.nn.Linear(4, 4)), TwoRankMesh())
+
+
 # ---------------------------------------------------------------- config errors
 def _validate(**overrides):
     from trainlib.config import load_job_config
