@@ -51,14 +51,14 @@ def test_from_config_and_enabled_axes():
     assert not (one.pp_enabled or one.cp_enabled or one.tp_enabled or one.hsdp_enabled or one.fsdp_enabled)
 
 
-def test_build_mesh_needs_a_process_group_of_its_world_size(tmp_path):
-    import torch.distributed as dist
+def test_build_mesh_needs_a_process_group_of_its_world_size():
+    from trainlib.distributed import CommConfig, destroy_distributed, init_distributed
 
     with pytest.raises(RuntimeError, match="needs an initialised process group"):
         ParallelDims(world_size=1).build_mesh("cpu")
-    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    init_distributed(CommConfig(), "cpu")  # a world of one
     try:
         with pytest.raises(ValueError, match="built for world size 2, but the process group has 1 ranks"):
             ParallelDims(dp_shard=2, world_size=2).build_mesh("cpu")
     finally:
-        dist.destroy_process_group()
+        destroy_distributed()
