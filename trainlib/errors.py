@@ -75,10 +75,14 @@ def _rank() -> int:
     return int(os.environ.get("RANK", 0))
 
 
+def _local_rank() -> int:
+    return int(os.environ.get("LOCAL_RANK", 0))
+
+
 def print_once_per_node(line: str) -> None:
     """`line` on stderr from local rank 0 only: for a verdict every rank
     reaches alike (a guard stop, a preemption), one copy per node is enough."""
-    if int(os.environ.get("LOCAL_RANK", 0)) == 0:
+    if _local_rank() == 0:
         print(line, file=sys.stderr, flush=True)
 
 
@@ -104,13 +108,13 @@ def _first_on_node(line: str) -> bool:
     (in torchrun's folder for this attempt, which every local worker shares
     and a restart replaces); local rank 0 decides alone where there is none."""
     error_file = os.environ.get("TORCHELASTIC_ERROR_FILE")
-    if not error_file or int(os.environ.get("LOCAL_WORLD_SIZE", 1)) == 1:
-        return int(os.environ.get("LOCAL_RANK", 0)) == 0
-    attempt = Path(error_file).parent.parent  # <log_dir>/<run_id>/attempt_<n>/<local_rank>/error.json
-    try:
-        return _claim(attempt / f"trainlib-said-{hashlib.sha256(line.encode()).hexdigest()[:16]}")
-    except OSError:  # not the layout above: say it from local rank 0 only, as before
-        return int(os.environ.get("LOCAL_RANK", 0)) == 0
+    if error_file and int(os.environ.get("LOCAL_WORLD_SIZE", 1)) > 1:
+        attempt = Path(error_file).parent.parent  # <log_dir>/<run_id>/attempt_<n>/<local_rank>/error.json
+        try:
+            return _claim(attempt / f"trainlib-said-{hashlib.sha256(line.encode()).hexdigest()[:16]}")
+        except OSError:  # not the layout above: local rank 0 decides, as without torchrun
+            pass
+    return _local_rank() == 0
 
 
 def _tell_torchrun(message: str) -> None:
