@@ -1,5 +1,6 @@
 """Checkpointer parts in one process: what each Stateful part restores, and clear errors."""
 
+import errno
 import os
 
 import pytest
@@ -21,18 +22,18 @@ def test_dataloader_state_under_incompatible_dp_is_a_clear_error():
         b.load_state_dict(a.state_dict())
 
 
-def _job(run_dir, **cfg):
+def _job(run_dir, model_args=None, **cfg):
     from trainlib.models.llama3 import Transformer, get_model_args
     from trainlib.optim import LRSchedulerConfig, OptimizerConfig, build_lr_scheduler, build_optimizer
 
-    args = get_model_args("debug", n_layers=2)
+    args = get_model_args("debug", **{"n_layers": 2, **(model_args or {})})
     model = Transformer(args, rope_len=8)
     model.init_weights(seed=0)
     opt = build_optimizer([model], OptimizerConfig())
     sched = build_lr_scheduler(opt, LRSchedulerConfig(warmup_steps=2), 10)
     states = {"model": ModelState([model]), "optimizer": OptimizerState([model], opt), "scheduler": sched,
               "trainer": TrainState(tokens_per_step=100, model_args=args)}
-    return model, opt, sched, Checkpointer(CheckpointConfig(enable=True, **cfg), run_dir, states)
+    return model, opt, sched, Checkpointer(CheckpointConfig(**{"enable": True, **cfg}), run_dir, states)
 
 
 def _train_step(model, opt, sched):
@@ -109,10 +110,19 @@ def test_manifest_detects_truncated_and_missing_files_and_load_falls_back(tmp_pa
     assert checkpoint_problem(step_folder(ck.root, 3)) == (
         f"__0_0.distcp has {shard.stat().st_size} bytes, {shard.stat().st_size + 1} when committed")
     (step_folder(ck.root, 2) / "__0_0.distcp").unlink()
-    assert checkpoint_problem(step_folder(ck.root, 2)) == "__0_0.distcp is missing"
+    assert checkpoint_problem(str(step_folder(ck.root, 2))) == "__0_0.distcp is missing"  # a str path, as the API allows
+    with pytest.raises(ValueError, match=r"^checkpoint.load_step=3: \S+step-3 is damaged \(__0_0.distcp has \d+ bytes, "
+                                         r"\d+ when committed\); pick another of \[1, 2, 3\] or -1 for the latest intact one$"):
+        _job(tmp_path, interval=1, load_step=3)[3].load()  # asked for by step: refused, not replaced
     model2, opt2, sched2, ck2 = _job(tmp_path, interval=1)
     assert ck2.load() == 1
     assert complete_steps(ck.root) == [1] and (ck.root / "step-3.corrupt").is_dir()
+    ck2.maybe_save(2, last_step=2)  # step 3 saved and damaged again: its new folder replaces the one set aside
+    ck2.maybe_save(3, last_step=3)
+    (step_folder(ck.root, 3) / "__0_0.distcp").unlink()
+    assert _job(tmp_path, interval=1)[3].load() == 2
+    assert sorted(p.name for p in ck.root.iterdir()) == ["step-1", "step-2", "step-2.corrupt", "step-3.corrupt"]
+    assert not (ck.root / "step-3.corrupt" / "__0_0.distcp").exists()  # the second damaged folder, not the first
 
 
 @pytest.mark.parametrize("poison", ["weight", "moment", "hyper-parameter"])
@@ -147,3 +157,89 @@ def test_retention_never_deletes_the_checkpoint_just_committed(tmp_path):
     assert ck.load() == 2
     ck.maybe_save(3, last_step=3)  # back in time: step 3 is older than step 4
     assert complete_steps(ck.root) == [3, 4]
+
+
+def test_folder_helpers_take_a_str_path_and_an_unreadable_manifest_is_a_problem(tmp_path):
+    from trainlib.checkpoint import incomplete_folders
+    from trainlib.checkpoint.manager import MANIFEST
+
+    model, opt, sched, ck = _job(tmp_path, interval=1)
+    for step in (1, 2):
+        ck.maybe_save(step, last_step=2)
+    (ck.root / "step-3.tmp").mkdir()
+    assert complete_steps(str(ck.root)) == [1, 2] and incomplete_folders(str(ck.root)) == [ck.root / "step-3.tmp"]
+    (step_folder(ck.root, 2) / MANIFEST).write_text("{not json")
+    assert checkpoint_problem(step_folder(ck.root, 2)) == f"{MANIFEST} is unreadable"
+    (step_folder(ck.root, 1) / MANIFEST).unlink()  # a folder from before manifests: DCP's own checks apply
+    assert checkpoint_problem(step_folder(ck.root, 1)) is None
+
+
+@pytest.mark.parametrize("other,expected", [
+    ({"vocab_size": 640}, r"has tok_embeddings\.weight of shape \[512, \d+\], this run's model needs \[640, \d+\]"),
+    ({"n_layers": 3}, r"has no layers\.2\.attention_norm\.weight, this run's model needs \[64\]"),
+])
+def test_a_checkpoint_of_another_model_shape_is_one_clear_line(tmp_path, other, expected):
+    from trainlib.errors import ConfigError
+
+    model, opt, sched, ck = _job(tmp_path, interval=1)
+    ck.maybe_save(1, last_step=1)
+    _, _, _, ck2 = _job(tmp_path, model_args=other)
+    with pytest.raises(ConfigError, match=expected + ": load it with the model.flavor / n_layers / vocab_size"):
+        ck2.load()
+
+
+def test_checkpoints_off_never_resume_a_checkpoint_left_in_the_folder(tmp_path):
+    model, opt, sched, ck = _job(tmp_path, interval=1)
+    _train_step(model, opt, sched)
+    ck.maybe_save(1, last_step=1)
+    model2, _, _, ck2 = _job(tmp_path, enable=False)
+    assert ck2.load() == 0 and not torch.equal(model2.output.weight, model.output.weight)
+    assert complete_steps(ck.root) == [1]  # and not deleted either
+
+
+@pytest.mark.parametrize("err", [errno.ENOSPC, errno.EACCES])
+def test_a_full_disk_at_the_manifest_skips_that_save_and_other_errors_propagate(tmp_path, monkeypatch, caplog, err):
+    from pathlib import Path
+
+    from trainlib.checkpoint import incomplete_folders
+    from trainlib.checkpoint.manager import MANIFEST
+
+    model, opt, sched, ck = _job(tmp_path, interval=1)
+    ck.maybe_save(1, last_step=3)
+    write_text = Path.write_text
+
+    def full_disk(self, *a, **kw):
+        if self.name == MANIFEST:
+            raise OSError(err, os.strerror(err))
+        return write_text(self, *a, **kw)
+
+    monkeypatch.setattr(Path, "write_text", full_disk)
+    if err != errno.ENOSPC:
+        with pytest.raises(PermissionError):
+            ck.maybe_save(2, last_step=3)
+        return
+    ck.maybe_save(2, last_step=3)  # training goes on
+    assert "checkpoint step 2 not saved: no space left on device (rank 0 writing manifest.json); step 1 stays" \
+        in caplog.text
+    assert complete_steps(ck.root) == [1] and incomplete_folders(ck.root) == []
+    monkeypatch.setattr(Path, "write_text", write_text)
+    ck.maybe_save(3, last_step=3)  # the next save retries
+    assert complete_steps(ck.root) == [1, 3]
+
+
+def test_a_step_saved_again_after_going_back_in_time_replaces_the_old_one(tmp_path):
+    model, opt, sched, ck = _job(tmp_path, interval=2)
+    for step in (2, 4):
+        _train_step(model, opt, sched)
+        ck.maybe_save(step, last_step=4)
+    old = model.output.weight.clone()
+    model, opt, sched, ck = _job(tmp_path, interval=2, load_step=2)
+    assert ck.load() == 2
+    for step in (3, 4):  # another path to step 4 (e.g. after a loss spike, with other data)
+        _train_step(model, opt, sched)
+        _train_step(model, opt, sched)
+        ck.maybe_save(step, last_step=4)
+    assert complete_steps(ck.root) == [2, 4]
+    model2, _, _, ck2 = _job(tmp_path)
+    assert ck2.load() == 4 and torch.equal(model2.output.weight, model.output.weight)
+    assert not torch.equal(model2.output.weight, old)

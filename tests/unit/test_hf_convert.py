@@ -91,5 +91,14 @@ def test_meta_consolidated_pth_loads_into_a_model(tmp_path):
     tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert (dst.eval()(tokens) - hf(tokens).logits).abs().max() <= 1e-5
+    # The same folder as a run's checkpoint.initial_load_path: the Checkpointer takes it for Meta's format.
+    from trainlib.checkpoint import CheckpointConfig, Checkpointer, ModelState, TrainState
+
+    run = Transformer(args, rope_len=32)
+    run.init_weights(seed=7)
+    ck = Checkpointer(CheckpointConfig(initial_load_path=str(tmp_path)), tmp_path / "run",
+                      {"model": ModelState([run]), "trainer": TrainState(tokens_per_step=1, model_args=args)})
+    assert ck.load() == 0
+    assert all(torch.equal(a, b) for a, b in zip(run.state_dict().values(), dst.state_dict().values(), strict=True))
     with pytest.raises(ValueError, match="n_layers=2"):
         load_meta_into_model([dst], tmp_path, get_model_args("debug", n_layers=2))
