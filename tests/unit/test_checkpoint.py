@@ -110,9 +110,10 @@ def test_manifest_detects_truncated_and_missing_files_and_load_falls_back(tmp_pa
     assert checkpoint_problem(step_folder(ck.root, 3)) == (
         f"__0_0.distcp has {shard.stat().st_size} bytes, {shard.stat().st_size + 1} when committed")
     (step_folder(ck.root, 2) / "__0_0.distcp").unlink()
-    assert checkpoint_problem(str(step_folder(ck.root, 2))) == "__0_0.distcp is missing"  # a str path, as the API allows
-    with pytest.raises(ValueError, match=r"^checkpoint.load_step=3: \S+step-3 is damaged \(__0_0.distcp has \d+ bytes, "
-                                         r"\d+ when committed\); pick another of \[1, 2, 3\] or -1 for the latest intact one$"):
+    assert checkpoint_problem(str(step_folder(ck.root, 2))) == "__0_0.distcp is missing"  # a str, as typed
+    with pytest.raises(ValueError, match=r"^checkpoint.load_step=3: \S+step-3 is damaged \(__0_0.distcp has \d+ "
+                                         r"bytes, \d+ when committed\); pick another of \[1, 2, 3\] or -1 for the "
+                                         r"latest intact one$"):
         _job(tmp_path, interval=1, load_step=3)[3].load()  # asked for by step: refused, not replaced
     model2, opt2, sched2, ck2 = _job(tmp_path, interval=1)
     assert ck2.load() == 1
