@@ -244,3 +244,17 @@ def test_a_step_saved_again_after_going_back_in_time_replaces_the_old_one(tmp_pa
     model2, _, _, ck2 = _job(tmp_path)
     assert ck2.load() == 4 and torch.equal(model2.output.weight, model.output.weight)
     assert not torch.equal(model2.output.weight, old)
+
+
+def test_load_removes_folders_of_interrupted_saves(tmp_path, caplog):
+    from trainlib.checkpoint import incomplete_folders
+
+    model, opt, sched, ck = _job(tmp_path, interval=1)
+    ck.maybe_save(1, last_step=1)
+    for name in ("step-7.tmp", "step-9"):  # a save killed before its commit; a step folder without DCP's .metadata
+        (ck.root / name).mkdir()
+        (ck.root / name / "__0_0.distcp").write_bytes(b"x" * 10)
+    assert [p.name for p in incomplete_folders(ck.root)] == ["step-7.tmp", "step-9"]
+    assert _job(tmp_path, interval=1)[3].load() == 1
+    assert incomplete_folders(ck.root) == [] and complete_steps(ck.root) == [1]
+    assert "removing incomplete checkpoint folders (a save was interrupted): step-7.tmp, step-9" in caplog.text
