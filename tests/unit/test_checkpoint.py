@@ -43,7 +43,7 @@ def _train_step(model, opt, sched):
     opt.zero_grad()
 
 
-def test_each_registered_part_is_restored(tmp_path):
+def test_each_registered_part_is_restored(tmp_path, caplog):
     model, opt, sched, ck = _job(tmp_path)
     for step in (1, 2, 3):
         _train_step(model, opt, sched)
@@ -64,19 +64,22 @@ def test_each_registered_part_is_restored(tmp_path):
 
     model3, _, _, ck3 = _job(tmp_path, fresh_start=True)
     assert ck3.load() == 0 and complete_steps(ck3.root) == []  # step 3 deleted, not resumed
+    assert f"checkpoint.fresh_start: deleting existing checkpoints in {ck3.root}" in caplog.text
     assert not torch.equal(model3.output.weight, saved["output.weight"])
 
 
 @pytest.mark.parametrize("model_only", [True, False])
-def test_initial_load_takes_the_model_only_unless_told_otherwise(tmp_path, model_only):
+def test_initial_load_takes_the_model_only_unless_told_otherwise(tmp_path, caplog, model_only):
     model, opt, sched, ck = _job(tmp_path / "a", folder="ckpts")
     _train_step(model, opt, sched)
     ck.maybe_save(1, last_step=1)
     assert complete_steps(tmp_path / "a" / "ckpts") == [1]
     model2, opt2, sched2, ck2 = _job(tmp_path / "b", initial_load_path=str(tmp_path / "a" / "ckpts" / "step-1"),
                                      initial_load_model_only=model_only)
+    caplog.set_level("INFO", logger="trainlib")
     step = ck2.load()
     assert torch.equal(model2.output.weight, model.output.weight)
+    assert f"initial {'weights' if model_only else 'training state'} loaded from dcp checkpoint " in caplog.text
     if model_only:  # fine-tuning: the run starts at step 0 with a fresh optimizer
         assert step == 0 and not opt2.state and sched2.last_epoch == 0
     else:  # the whole training state: step, optimizer moments, schedule
