@@ -226,9 +226,14 @@ def test_a_full_disk_at_the_manifest_skips_that_save_and_other_errors_propagate(
     assert "checkpoint step 2 not saved: no space left on device (rank 0 writing manifest.json); step 1 stays" \
         in caplog.text
     assert complete_steps(ck.root) == [1] and incomplete_folders(ck.root) == []
+    with pytest.raises(OSError, match="No space left"):  # but the run's last checkpoint must not be lost quietly
+        ck.maybe_save(3, last_step=3)
+    ck.maybe_save(4, last_step=5)  # nor the checkpoint of a preemption, which says it saved
+    with pytest.raises(OSError, match="No space left"):
+        ck.save_now()
     monkeypatch.setattr(Path, "write_text", write_text)
-    ck.maybe_save(3, last_step=3)  # the next save retries
-    assert complete_steps(ck.root) == [1, 3]
+    ck.maybe_save(5, last_step=5)  # the next save retries
+    assert complete_steps(ck.root) == [1, 5]
 
 
 def test_a_step_saved_again_after_going_back_in_time_replaces_the_old_one(tmp_path):

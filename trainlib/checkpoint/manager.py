@@ -396,9 +396,19 @@ class Checkpointer:
         if not self.cfg.enable:
             return
         self.wait()
-        if self._last_saved != self.train_state.step:
+        step = self.train_state.step
+        self._last_step = step  # the run's last save: a full disk raises rather than exit as "saved"
+        if not self._saved_on_rank0(step):
             self.save(sync=True)
         barrier()  # no rank exits (and has its launcher kill the others) before the commit
+
+    def _saved_on_rank0(self, step: int) -> bool:
+        """Whether rank 0 committed `step`'s checkpoint, on every rank: only
+        rank 0 knows when its manifest could not be written."""
+        answer = [self._last_saved == step]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(answer, src=0)
+        return answer[0]
 
     def _save_failed(self, step: int, err: CheckpointException) -> None:
         """A full disk on any rank: one line, the partial folder removed, and
@@ -411,6 +421,8 @@ class Checkpointer:
             raise err
 
     def _disk_full(self, step: int, who: str) -> None:
+        if self._last_saved == step:
+            self._last_saved = None  # so that save_now saves it again
         if self.rank != 0:
             return
         shutil.rmtree(self.root / f"step-{step}.tmp", ignore_errors=True)
@@ -432,6 +444,8 @@ class Checkpointer:
             if e.errno != errno.ENOSPC:
                 raise
             self._disk_full(step, f"rank 0 writing {MANIFEST}")
+            if step == self._last_step:
+                raise  # as in _save_failed: a run must not end without its last checkpoint
             return
         if final.exists():  # re-saving a step after load_step went back in time
             shutil.rmtree(final)
