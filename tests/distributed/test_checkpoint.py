@@ -90,3 +90,28 @@ def test_process_mode_saves_more_than_once_and_its_writer_stops_at_close(tmp_pat
 
     spawn(_process_mode_worker, 1, str(tmp_path))
     assert complete_steps(tmp_path / "checkpoint") == [1, 2, 3]
+
+
+def _early_commit_worker(rank, world, folder):
+    import time
+
+    from trainlib.checkpoint import CheckpointConfig, Checkpointer, ModelState, TrainState
+
+    model = torch.nn.Linear(16, 16)
+    ck = Checkpointer(CheckpointConfig(enable=True, interval=2, async_mode="async"), folder,
+                      {"model": ModelState([model]), "trainer": TrainState()})
+    ck.maybe_save(1, last_step=4)
+    ck.maybe_save(2, last_step=4)
+    while not ck._pending.done():
+        time.sleep(0.01)
+    assert complete_steps(ck.root) == []
+    ck.maybe_save(3, last_step=4)  # not due: the finished write is committed now, not at step 4's save
+    assert complete_steps(ck.root) == [2]
+    ck.close()
+
+
+def test_a_finished_async_save_is_committed_at_the_next_step(tmp_path):
+    """A crash between a background write's end and the next save must not lose that checkpoint."""
+    from tests.helpers import spawn
+
+    spawn(_early_commit_worker, 1, str(tmp_path))

@@ -266,3 +266,15 @@ def test_load_removes_folders_of_interrupted_saves(tmp_path, caplog):
     assert _job(tmp_path, interval=1)[3].load() == 1
     assert incomplete_folders(ck.root) == [] and complete_steps(ck.root) == [1]
     assert "removing incomplete checkpoint folders (a save was interrupted): step-7.tmp, step-9" in caplog.text
+
+
+def test_a_preemption_saves_its_step_once(tmp_path, caplog):
+    caplog.set_level("INFO", logger="trainlib")
+    model, opt, sched, ck = _job(tmp_path, interval=2)
+    ck.maybe_save(1, last_step=4)
+    ck.maybe_save(2, last_step=4)
+    ck.save_now()  # step 2 was just saved: not written again
+    assert caplog.text.count("checkpoint step 2: loop blocked") == 1
+    ck.maybe_save(3, last_step=4)
+    ck.save_now()  # step 3 was not due: written now
+    assert complete_steps(ck.root) == [2, 3] and caplog.text.count("checkpoint step 3: loop blocked") == 1
