@@ -35,6 +35,10 @@ def test_convert_skips_output_and_patterns_and_odd_dims():
     convert_float8(model, Float8Config(enable=True, min_size=0), fsdp=False)
     assert _converted_types(model)["output"] == "Linear"  # skipped by the default pattern
 
+    model = Transformer(get_model_args("debug"), rope_len=64)  # float8 off: nothing converts, whatever the bound
+    assert convert_float8(model, Float8Config(enable=False, min_size=0), fsdp=False) == []
+    assert set(_converted_types(model).values()) == {"Linear"}
+
 
 def test_convert_that_converts_nothing_is_an_error():
     model = Transformer(get_model_args("debug"), rope_len=64)
@@ -210,7 +214,7 @@ def test_refusal_is_only_the_measured_combination(change):
 
 @pytest.mark.parametrize("recipe,compiled,rounds", [("rowwise", True, True), ("rowwise_with_gw_hp", True, True),
                                                     ("rowwise", False, False), ("tensorwise", True, False)])
-def test_rowwise_under_compile_makes_inductor_round_like_eager(recipe, compiled, rounds):
+def test_rowwise_under_compile_makes_inductor_round_like_eager(caplog, recipe, compiled, rounds):
     """The trainer's build sets inductor's emulate_precision_casts for the rowwise
     recipes under compile (trainlib.float8.round_like_eager_under_compile: the
     recompute of a checkpointed block must match its forward), and only there."""
@@ -224,6 +228,10 @@ def test_rowwise_under_compile_makes_inductor_round_like_eager(recipe, compiled,
         build_on_one_rank(load_job_config(None, ["--float8.enable=true", f"--float8.recipe={recipe}",
                                                  "--float8.min_size=0", f"--compile.enable={compiled}"]))
         assert inductor_config.emulate_precision_casts is rounds
+    with inductor_config.patch(emulate_precision_casts=False):  # the function alone, as a custom loop calls it
+        caplog.set_level("INFO", logger="trainlib")
+        assert float8_lib.round_like_eager_under_compile(Float8Config(enable=True, recipe=recipe), compiled) is rounds
+        assert ("inductor rounds intermediate values as eager does" in caplog.text) is rounds
 
 
 @pytest.mark.slow  # ~45 s of compiling on 2 cores with a cold inductor cache (9 s warm)
