@@ -5,6 +5,7 @@ import os
 
 import pytest
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 
 from trainlib.checkpoint import (CheckpointConfig, Checkpointer, ModelState, OptimizerState, TrainState,
                                  checkpoint_problem, complete_steps, step_folder)
@@ -201,37 +202,43 @@ def test_checkpoints_off_never_resume_a_checkpoint_left_in_the_folder(tmp_path):
     assert complete_steps(ck.root) == [1]  # and not deleted either
 
 
+@pytest.mark.parametrize("where", ["shards", "manifest"])
 @pytest.mark.parametrize("err", [errno.ENOSPC, errno.EACCES])
-def test_a_full_disk_at_the_manifest_skips_that_save_and_other_errors_propagate(tmp_path, monkeypatch, caplog, err):
+def test_a_full_disk_skips_that_save_but_not_the_last_one_and_other_errors_propagate(tmp_path, monkeypatch, caplog,
+                                                                                      where, err):
     from pathlib import Path
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
 
     from trainlib.checkpoint import incomplete_folders
     from trainlib.checkpoint.manager import MANIFEST
 
     model, opt, sched, ck = _job(tmp_path, interval=1)
     ck.maybe_save(1, last_step=3)
-    write_text = Path.write_text
+    cls, name = (FileSystemWriter, "write_data") if where == "shards" else (Path, "write_text")
+    original = getattr(cls, name)
 
     def full_disk(self, *a, **kw):
-        if self.name == MANIFEST:
+        if where == "shards" or self.name == MANIFEST:
             raise OSError(err, os.strerror(err))
-        return write_text(self, *a, **kw)
+        return original(self, *a, **kw)
 
-    monkeypatch.setattr(Path, "write_text", full_disk)
-    if err != errno.ENOSPC:
-        with pytest.raises(PermissionError):
+    monkeypatch.setattr(cls, name, full_disk)
+    if err != errno.ENOSPC:  # not a full disk: propagates as it is
+        with pytest.raises((PermissionError, CheckpointException)) as e:
             ck.maybe_save(2, last_step=3)
+        assert "Permission denied" in str(e.value)
         return
     ck.maybe_save(2, last_step=3)  # training goes on
-    assert "checkpoint step 2 not saved: no space left on device (rank 0 writing manifest.json); step 1 stays" \
-        in caplog.text
+    who = "ranks [0]" if where == "shards" else "rank 0 writing manifest.json"
+    assert f"checkpoint step 2 not saved: no space left on device ({who}); step 1 stays" in caplog.text
     assert complete_steps(ck.root) == [1] and incomplete_folders(ck.root) == []
-    with pytest.raises(OSError, match="No space left"):  # but the run's last checkpoint must not be lost quietly
+    with pytest.raises((OSError, CheckpointException), match="No space left"):  # the run's last checkpoint: raises
         ck.maybe_save(3, last_step=3)
     ck.maybe_save(4, last_step=5)  # nor the checkpoint of a preemption, which says it saved
-    with pytest.raises(OSError, match="No space left"):
+    with pytest.raises((OSError, CheckpointException), match="No space left"):
         ck.save_now()
-    monkeypatch.setattr(Path, "write_text", write_text)
+    monkeypatch.setattr(cls, name, original)
     ck.maybe_save(5, last_step=5)  # the next save retries
     assert complete_steps(ck.root) == [1, 5]
 
