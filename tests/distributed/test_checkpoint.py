@@ -115,3 +115,34 @@ def test_a_finished_async_save_is_committed_at_the_next_step(tmp_path):
     from tests.helpers import spawn
 
     spawn(_early_commit_worker, 1, str(tmp_path))
+
+
+def _export_worker(rank, world, folder):
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from trainlib.checkpoint import CheckpointConfig, Checkpointer, ModelState, TrainState
+    from trainlib.models.llama3 import Transformer, get_model_args
+
+    args = get_model_args("debug", n_layers=2)
+    model = Transformer(args, rope_len=8)
+    model.init_weights(seed=0)
+    ck = Checkpointer(CheckpointConfig(enable=True, interval=1, async_mode="async"), folder,
+                      {"model": ModelState([model]), "trainer": TrainState(model_args=args)})
+    with pytest.raises(ValueError, match=r"^checkpoint.export_hf: no complete checkpoint in \S+ to export$"):
+        ck.export_hf(Path(folder) / "hf")
+    ck.maybe_save(1, last_step=2)
+    with torch.no_grad():
+        model.output.weight.add_(1.0)
+    ck.maybe_save(2, last_step=2)  # in flight when the export starts: the export is of step 2, not step 1
+    ck.export_hf(Path(folder) / "hf")
+    exported = {k: v for f in (Path(folder) / "hf").glob("*.safetensors") for k, v in load_file(f).items()}
+    assert torch.equal(exported["lm_head.weight"], model.output.weight)
+    ck.close()
+
+
+def test_export_hf_waits_for_the_save_in_flight(tmp_path):
+    from tests.helpers import spawn
+
+    spawn(_export_worker, 1, str(tmp_path))
