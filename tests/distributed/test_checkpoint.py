@@ -146,3 +146,28 @@ def test_export_hf_waits_for_the_save_in_flight(tmp_path):
     from tests.helpers import spawn
 
     spawn(_export_worker, 1, str(tmp_path))
+
+
+def _refusal_worker(rank, world, folder):
+    from trainlib.checkpoint import CheckpointConfig, Checkpointer, ModelState, TrainState
+    from trainlib.errors import TrainingStopped
+
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 8)
+    ck = Checkpointer(CheckpointConfig(enable=True, interval=1), folder,
+                      {"model": ModelState([model]), "trainer": TrainState()})
+    ck.maybe_save(1, last_step=3)
+    if rank == 1:  # a NaN on one rank only
+        with torch.no_grad():
+            model.weight[0, 0] = float("nan")
+    mine = r" \(this rank: model\.weight\)" if rank == 1 else ""
+    with pytest.raises(TrainingStopped, match=rf"^checkpoint of step 2 refused: 1 tensors hold NaN or Inf{mine}; "
+                                              r"the latest complete checkpoint stays step 1$"):
+        ck.maybe_save(2, last_step=3)
+
+
+def test_a_non_finite_value_on_one_rank_refuses_the_checkpoint_on_every_rank(tmp_path):
+    from tests.helpers import spawn
+
+    spawn(_refusal_worker, 2, str(tmp_path))
+    assert complete_steps(tmp_path / "checkpoint") == [1]
