@@ -285,3 +285,17 @@ def test_a_preemption_saves_its_step_once(tmp_path, caplog):
     ck.maybe_save(3, last_step=4)
     ck.save_now()  # step 3 was not due: written now
     assert complete_steps(ck.root) == [2, 3] and caplog.text.count("checkpoint step 3: loop blocked") == 1
+
+
+def test_restore_latest_reloads_the_newest_checkpoint_except_the_excluded_parts(tmp_path):
+    """The guard's rollback after a NaN: back to the latest checkpoint, keeping the parts it names."""
+    model, opt, sched, ck = _job(tmp_path, interval=2)
+    assert ck.restore_latest() is None
+    for step in (1, 2, 3):
+        _train_step(model, opt, sched)
+        ck.maybe_save(step, last_step=4)
+        if step == 2:
+            saved = model.output.weight.clone()
+    assert ck.restore_latest(exclude=["scheduler"]) == 2
+    assert torch.equal(model.output.weight, saved) and ck.train_state.step == 2
+    assert sched.last_epoch == 3  # excluded: not rolled back
