@@ -192,7 +192,8 @@ class Checkpointer:
     `save()`: every rank writes into `step-N.tmp`, then `_commit(N)` writes
     the manifest, renames the folder to `step-N` (for async saves, once the
     background write has finished) and applies the retention keys. A save
-    that fails for a full disk is reported in one line and training goes on.
+    that fails for a full disk is reported in one line and training goes on,
+    except the run's last save and a preemption's, which raise.
     """
 
     def __init__(self, cfg: CheckpointConfig, run_dir: str | os.PathLike, states: dict[str, Stateful]):
