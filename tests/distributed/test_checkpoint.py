@@ -107,6 +107,9 @@ def _early_commit_worker(rank, world, folder):
     assert complete_steps(ck.root) == []
     ck.maybe_save(3, last_step=4)  # not due: the finished write is committed now, not at step 4's save
     assert complete_steps(ck.root) == [2]
+    ck.maybe_save(4, last_step=6)
+    ck.save_now()  # a preemption with step 4's write in flight: committed before it returns (the run exits next)
+    assert complete_steps(ck.root) == [2, 4]
     ck.close()
 
 

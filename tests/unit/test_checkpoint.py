@@ -285,6 +285,10 @@ def test_a_preemption_saves_its_step_once(tmp_path, caplog):
     ck.maybe_save(3, last_step=4)
     ck.save_now()  # step 3 was not due: written now
     assert complete_steps(ck.root) == [2, 3] and caplog.text.count("checkpoint step 3: loop blocked") == 1
+    _, _, _, off = _job(tmp_path / "off", enable=False)
+    off.maybe_save(1, last_step=4)
+    off.save_now()  # checkpoints off: a preemption writes none
+    assert not (tmp_path / "off").exists()
 
 
 def test_restore_latest_reloads_the_newest_checkpoint_except_the_excluded_parts(tmp_path):
