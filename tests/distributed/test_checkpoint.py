@@ -1,4 +1,4 @@
-"""Checkpointer API on gloo ranks: async saves snapshot the state at save time."""
+"""Checkpointer API on gloo ranks: async saves (their snapshot, commit, export, preemption) and agreement across ranks."""
 
 import pytest
 import torch
