@@ -417,20 +417,23 @@ class Checkpointer:
         re-raises. Any other failure propagates as it is."""
         if not all(isinstance(exc, OSError) and exc.errno == errno.ENOSPC for exc, _ in err.failures.values()):
             raise err
-        self._disk_full(step, f"ranks {sorted(err.failures)}")
-        if step == self._last_step:
-            raise err
+        self._disk_full(step, f"ranks {sorted(err.failures)}", err)
 
-    def _disk_full(self, step: int, who: str) -> None:
+    def _disk_full(self, step: int, who: str, err: Exception) -> None:
+        """Step `step`'s save failed for a full disk (`err`): one line from rank
+        0, which removes the partial folder; `err` is raised again when that was
+        the run's last save (the final step's, or a preemption's), as a run must
+        not end without its last checkpoint."""
         if self._last_saved == step:
             self._last_saved = None  # so that save_now saves it again
-        if self.rank != 0:
-            return
-        shutil.rmtree(self.root / f"step-{step}.tmp", ignore_errors=True)
-        latest = latest_step(self.root)
-        logger.warning(f"checkpoint step {step} not saved: no space left on device ({who}); "
-                       f"{f'step {latest}' if latest is not None else 'no checkpoint'} stays the latest complete "
-                       f"checkpoint in {self.root}; training continues and the next save retries")
+        if self.rank == 0:
+            shutil.rmtree(self.root / f"step-{step}.tmp", ignore_errors=True)
+            latest = latest_step(self.root)
+            logger.warning(f"checkpoint step {step} not saved: no space left on device ({who}); "
+                           f"{f'step {latest}' if latest is not None else 'no checkpoint'} stays the latest complete "
+                           f"checkpoint in {self.root}; training continues and the next save retries")
+        if step == self._last_step:
+            raise err
 
     def _commit(self, step: int) -> None:
         # DCP writes .metadata on rank 0 only after every rank's shards are
@@ -444,9 +447,7 @@ class Checkpointer:
         except OSError as e:
             if e.errno != errno.ENOSPC:
                 raise
-            self._disk_full(step, f"rank 0 writing {MANIFEST}")
-            if step == self._last_step:
-                raise  # as in _save_failed: a run must not end without its last checkpoint
+            self._disk_full(step, f"rank 0 writing {MANIFEST}", e)
             return
         if final.exists():  # re-saving a step after load_step went back in time
             shutil.rmtree(final)
