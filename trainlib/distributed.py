@@ -196,6 +196,15 @@ def barrier() -> None:
         dist.barrier()
 
 
+def from_rank0(value):
+    """Rank 0's `value` on every rank (any picklable object); `value` itself in a world of one."""
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        box = [value]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]
+    return value
+
+
 def destroy_distributed() -> None:
     if dist.is_initialized():
         dist.destroy_process_group()

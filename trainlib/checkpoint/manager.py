@@ -56,7 +56,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from trainlib.checkpoint.convert import dcp_to_hf
 from trainlib.checkpoint.hf import checkpoint_format, load_hf_into_model, load_meta_into_model
 from trainlib.checkpoint.state import ModelState, TrainState, nonfinite_entries
-from trainlib.distributed import barrier
+from trainlib.distributed import barrier, from_rank0
 from trainlib.errors import ConfigError, TrainingStopped
 
 logger = logging.getLogger("trainlib")
@@ -262,22 +262,20 @@ class Checkpointer:
         """The newest of `steps` whose files are as committed. Rank 0 checks
         and moves damaged ones aside (`step-N.corrupt`, kept for inspection,
         never loaded or counted again); every rank gets its answer."""
-        choice: list[int | None] = [None]
+        choice: int | None = None
         if self.rank == 0:
             for step in reversed(steps):
                 folder = step_folder(self.root, step)
                 problem = checkpoint_problem(folder)
                 if problem is None:
-                    choice = [step]
+                    choice = step
                     break
                 aside = self.root / f"step-{step}.corrupt"
                 shutil.rmtree(aside, ignore_errors=True)
                 os.replace(folder, aside)
                 logger.warning(f"skipping damaged checkpoint {folder} ({problem}); moved to {aside.name}, "
                                f"falling back to the previous complete checkpoint")
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(choice, src=0)
-        return choice[0]
+        return from_rank0(choice)
 
     def load_from(self, path: str | os.PathLike, keys: Iterable[str] | None = None) -> None:
         """Load the registered parts (or only those in `keys`) from the DCP
@@ -399,17 +397,9 @@ class Checkpointer:
         self.wait()
         step = self.train_state.step
         self._last_step = step  # the run's last save: a full disk raises rather than exit as "saved"
-        if not self._saved_on_rank0(step):
+        if not from_rank0(self._last_saved == step):  # only rank 0 knows when its manifest could not be written
             self.save(sync=True)
         barrier()  # no rank exits (and has its launcher kill the others) before the commit
-
-    def _saved_on_rank0(self, step: int) -> bool:
-        """Whether rank 0 committed `step`'s checkpoint, on every rank: only
-        rank 0 knows when its manifest could not be written."""
-        answer = [self._last_saved == step]
-        if dist.is_initialized() and dist.get_world_size() > 1:
-            dist.broadcast_object_list(answer, src=0)
-        return answer[0]
 
     def _save_failed(self, step: int, err: CheckpointException) -> None:
         """A full disk on any rank: one line, the partial folder removed, and
