@@ -232,9 +232,14 @@ def test_a_full_disk_skips_that_save_but_not_the_last_one_and_other_errors_propa
     ck.maybe_save(2, last_step=3)  # training goes on
     who = "ranks [0]" if where == "shards" else "rank 0 writing manifest.json"
     assert f"checkpoint step 2 not saved: no space left on device ({who}); step 1 stays" in caplog.text
+    assert "step 1 stays the latest complete checkpoint in" in caplog.text
+    assert "training continues and the next save retries" in caplog.text
     assert complete_steps(ck.root) == [1] and incomplete_folders(ck.root) == []
+    caplog.clear()
     with pytest.raises((OSError, CheckpointException), match="No space left"):  # the run's last checkpoint: raises
         ck.maybe_save(3, last_step=3)
+    assert "step 3 not saved" in caplog.text and "the run stops with the error below" in caplog.text
+    assert "training continues" not in caplog.text
     ck.maybe_save(4, last_step=5)  # nor the checkpoint of a preemption, which says it saved
     with pytest.raises((OSError, CheckpointException), match="No space left"):
         ck.save_now()

@@ -416,13 +416,16 @@ class Checkpointer:
         not end without its last checkpoint."""
         if self._last_saved == step:
             self._last_saved = None  # so that save_now saves it again
+        last = step == self._last_step
         if self.rank == 0:
             shutil.rmtree(self.root / f"step-{step}.tmp", ignore_errors=True)
             latest = latest_step(self.root)
+            then = ("this was the run's last save, so the run stops with the error below" if last
+                    else "training continues and the next save retries")
             logger.warning(f"checkpoint step {step} not saved: no space left on device ({who}); "
                            f"{f'step {latest}' if latest is not None else 'no checkpoint'} stays the latest complete "
-                           f"checkpoint in {self.root}; training continues and the next save retries")
-        if step == self._last_step:
+                           f"checkpoint in {self.root}; {then}")
+        if last:
             raise err
 
     def _commit(self, step: int) -> None:
