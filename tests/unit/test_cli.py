@@ -34,6 +34,8 @@ import pytest
     (["--parallelism.dp_shard=-1", "--parallelism.tp=2"], "world size 1 is not divisible by dp_replicate(1) * "),
     (["--profiling.profile_freq=5", "--profiling.profile_warmup=3", "--profiling.profile_active=3"],
      "profiling.profile_warmup (3) + profile_active (3) must fit in profile_freq (5) steps"),
+    (["--data.prefetch=-1"], "data.prefetch=-1 must be >= 0 (0 builds batches in the loop)"),  # raw data too
+    (["--data.shuffle_buffer_size=0"], "data.shuffle_buffer_size=0 must be >= 1"),
     (["--watchdog.step_factor=1"], "watchdog.step_factor must be > 1 (a multiple of the median step time), got 1.0"),
     (["--watchdog.min_seconds=0"], "watchdog.min_seconds must be > 0, got 0.0"),
     (["--watchdog.min_seconds=150"], "watchdog.min_seconds (150) must be below half of comm.train_timeout_seconds (300)"),

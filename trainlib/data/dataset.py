@@ -98,6 +98,13 @@ class DataConfig:
     prefetch: int = field(default=2, metadata={"help": "prepared data: batches built ahead by a background thread; 0 = none"})
     pin_memory: bool = field(default=True, metadata={"help": "prepared data: page-locked batches when CUDA is available"})
 
+    def __post_init__(self) -> None:
+        # Checked whatever the data, so a bad value never waits for the run that reads it.
+        if self.shuffle_buffer_size < 1:
+            raise ConfigError(f"data.shuffle_buffer_size={self.shuffle_buffer_size} must be >= 1")
+        if self.prefetch < 0:
+            raise ConfigError(f"data.prefetch={self.prefetch} must be >= 0 (0 builds batches in the loop)")
+
 
 # --------------------------------------------------------------------------- files
 
@@ -149,8 +156,6 @@ class _DocumentSource:
     def __init__(self, cfg: DataConfig, seed: int):
         if cfg.path is not None and cfg.hf_dataset is not None:
             raise ConfigError("data.path and data.hf_dataset are exclusive: set only one of them")
-        if cfg.shuffle_buffer_size < 1:
-            raise ConfigError(f"data.shuffle_buffer_size={cfg.shuffle_buffer_size} must be >= 1")
         self.cfg = cfg
         self.seed = int(seed)
         if cfg.hf_dataset is not None:
