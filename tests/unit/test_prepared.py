@@ -9,6 +9,7 @@ import os
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -238,6 +239,24 @@ def test_permute_is_a_keyed_bijection():
     assert a != list(range(1000)) and a != [permute(j, 1000, key=2) for j in range(1000)]
 
 
+def test_the_shuffle_order_is_pinned():
+    """A checkpoint's data position means a place in this permutation: a change to
+    it would make every resumed run read other samples, so its values are fixed
+    here (the hash is splitmix64's finalizer: its published outputs for seed 0)."""
+    assert prepared._mix64(0x9E3779B97F4A7C15) == 0xE220A8397B1DCDAF
+    assert prepared._mix64(0x3C6EF372FE94F82A) == 0x6E789E6AA1B965F4
+    assert [permute(j, 1000, key=1) for j in range(8)] == [243, 758, 445, 990, 762, 536, 549, 524]
+
+
+def test_a_manifest_of_another_format_version_is_refused(tmp_path, raw):
+    out = tmp_path / "out"
+    m = prep(out, [raw])
+    (out / prepared.MANIFEST).write_text(json.dumps({**m, "format_version": prepared.FORMAT_VERSION + 1}))
+    with pytest.raises(ConfigError, match=rf"is not a {prepared.FORMAT} manifest of version "
+                                          rf"{prepared.FORMAT_VERSION} .*version=2\): prepare the data again"):
+        build_dataloader(DataConfig(path=str(out)), BYTE, 8, 2)
+
+
 def test_mixture_counts_are_exact_and_o1():
     m = Mixture([0.7, 0.3], block=10)
     assert m.counts == [7, 3]
@@ -387,6 +406,47 @@ def test_prepared_data_errors(tmp_path, raw):
     tok_path.unlink()
     with pytest.raises(ConfigError, match="is missing"):
         build()
+
+
+def test_a_shard_cut_after_setup_is_a_short_read_not_zeros(tmp_path, raw):
+    out = tmp_path / "out"
+    m = prep(out, [raw])
+    dl = build_dataloader(DataConfig(path=str(out), prefetch=0), BYTE, 8, 2)
+    tok_path = Path(shard_paths(str(out), m["shards"][0]["name"])[0])
+    tok_path.write_bytes(tok_path.read_bytes()[:4])  # setup saw the whole file
+    with pytest.raises(OSError, match=r"short read of \d+ bytes at item \d+: a shard changed since setup\?"):
+        next(dl)
+
+
+def test_prepared_folder_paths_expand_home_and_files_are_closed(tmp_path, raw, monkeypatch):
+    def open_fds():
+        return len(os.listdir("/proc/self/fd"))
+
+    prep(tmp_path / "out", [raw])
+    monkeypatch.setenv("HOME", str(tmp_path))
+    before = open_fds()
+    ds = prepared.PreparedDataset("~/out", BYTE, 8)
+    assert ds.folder == str(tmp_path / "out")
+    ds.read(0, np.empty(ds.num_tokens, ds.dtype), np.zeros(ds.num_tokens, bool))  # every shard: opens files
+    assert open_fds() > before
+    ds.close()
+    assert open_fds() == before
+    ds = prepared.PreparedDataset(str(tmp_path / "out"), BYTE, 8)
+    ds.read(0, np.empty(ds.num_tokens, ds.dtype), np.zeros(ds.num_tokens, bool))
+    del ds
+    gc.collect()
+    assert open_fds() == before  # an abandoned dataset closes its files
+
+
+def test_prepared_loader_arguments_are_checked(tmp_path, raw):
+    prep(tmp_path / "out", [raw])
+    ds = [prepared.PreparedDataset(str(tmp_path / "out"), BYTE, 8)]
+    for kw, match in [({"local_batch_size": 0}, "local_batch_size=0 must be >= 1"),
+                      ({"dp_rank": 2, "dp_world": 2}, r"dp_rank=2 must be in \[0, dp_world=2\)"),
+                      ({"dp_world": 0}, r"dp_rank=0 must be in \[0, dp_world=0\)"),
+                      ({"prefetch": -1}, "data.prefetch=-1 must be >= 0")]:
+        with pytest.raises(ConfigError, match=match):
+            PreparedDataLoader(ds, ["out"], [1.0], 8, **{"local_batch_size": 2, **kw})
 
 
 def test_train_on_a_mixture(tmp_path):
