@@ -447,6 +447,36 @@ def test_prepared_loader_arguments_are_checked(tmp_path, raw):
                       ({"prefetch": -1}, "data.prefetch=-1 must be >= 0")]:
         with pytest.raises(ConfigError, match=match):
             PreparedDataLoader(ds, ["out"], [1.0], 8, **{"local_batch_size": 2, **kw})
+    with pytest.raises(ConfigError, match="seq_len=0 must be >= 1"):
+        build_dataloader(DataConfig(path=str(tmp_path / "out")), BYTE, 0, 2)
+
+
+def test_a_saved_position_from_another_shape_is_refused(tmp_path, raw):
+    out = str(tmp_path / "out")
+    prep(out, [raw])
+    sd = build_dataloader(DataConfig(path=out), BYTE, 8, 2).state_dict()
+    for change, match in [({"prepared_version": 2}, r"data state_dict version 2 is not supported \(expected 1\)"),
+                          ({"seq_len": 16}, "saved with seq_len=16, this loader has seq_len=8: resume with the same"),
+                          ({"vocab_size": 512}, "tokenizer of vocab_size=512, this one has 258: resume with the same")]:
+        with pytest.raises(ConfigError, match=match):
+            build_dataloader(DataConfig(path=out), BYTE, 8, 2).load_state_dict({**sd, **change})
+
+
+def test_going_back_or_closing_a_prefetching_loader_drops_the_batches_built_ahead(tmp_path, raw):
+    out = str(tmp_path / "out")
+    prep(out, [raw])
+    ref = take(build_dataloader(DataConfig(path=out, prefetch=0), BYTE, 8, 2), 6)
+    dl = build_dataloader(DataConfig(path=out, prefetch=3), BYTE, 8, 2)
+    take(dl, 1)
+    at_1 = dl.state_dict()
+    take(dl, 3)  # and up to three more built ahead
+    dl.load_state_dict(at_1)
+    assert [b["input"].tolist() for b in take(dl, 2)] == [b["input"].tolist() for b in ref[1:3]]
+    thread = dl._thread
+    dl.close()
+    assert not thread.is_alive()
+    assert [b["input"].tolist() for b in take(dl, 3)] == [b["input"].tolist() for b in ref[3:6]]
+    dl.close()
 
 
 def test_train_on_a_mixture(tmp_path):
