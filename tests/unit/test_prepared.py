@@ -394,6 +394,8 @@ def test_prepared_data_errors(tmp_path, raw):
         build(path=None, mixture=[f"{out}:-1"])
     with pytest.raises(ConfigError, match="'DIR:WEIGHT'"):
         build(path=None, mixture=[str(out)])
+    with pytest.raises(ConfigError, match=r"entry '.*:heavy' is not 'DIR:WEIGHT'"):
+        build(path=None, mixture=[f"{out}:heavy"])
     with pytest.raises(ConfigError, match="is not a prepared folder"):
         build(path=None, mixture=[f"{raw}:1"])
     with pytest.raises(ConfigError, match="saved by the on-the-fly loader"):
@@ -436,6 +438,12 @@ def test_prepared_folder_paths_expand_home_and_files_are_closed(tmp_path, raw, m
     del ds
     gc.collect()
     assert open_fds() == before  # an abandoned dataset closes its files
+    monkeypatch.setattr(prepared, "OPEN_SHARDS", 2)
+    ds = prepared.PreparedDataset(str(tmp_path / "out"), BYTE, 8)
+    assert len(ds.names) > 2
+    ds.read(0, np.empty(ds.num_tokens, ds.dtype), np.zeros(ds.num_tokens, bool))
+    assert open_fds() == before + 2 * 2  # two shards open (tokens, documents), however many were read
+    ds.close()
 
 
 def test_prepared_loader_arguments_are_checked(tmp_path, raw):
