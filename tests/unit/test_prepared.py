@@ -459,6 +459,26 @@ def test_prepared_loader_arguments_are_checked(tmp_path, raw):
         build_dataloader(DataConfig(path=str(tmp_path / "out")), BYTE, 0, 2)
 
 
+def test_a_prefetch_thread_waiting_on_a_full_queue_keeps_going_and_ends_with_its_loader(tmp_path, raw):
+    out = str(tmp_path / "out")
+    prep(out, [raw])
+    ref = take(build_dataloader(DataConfig(path=out, prefetch=0), BYTE, 8, 2), 4)
+    dl = build_dataloader(DataConfig(path=out, prefetch=1), BYTE, 8, 2)
+    take(dl, 1)
+    deadline = time.time() + 10
+    while not dl._queue.full() and time.time() < deadline:
+        time.sleep(0.01)
+    time.sleep(0.5)  # the thread's put has timed out on the full queue a few times
+    assert [b["input"].tolist() for b in take(dl, 3)] == [b["input"].tolist() for b in ref[1:4]]
+    while not dl._queue.full() and time.time() < deadline:
+        time.sleep(0.01)
+    thread = dl._thread
+    del dl
+    gc.collect()
+    thread.join(timeout=5)
+    assert not thread.is_alive()
+
+
 def test_a_saved_position_from_another_shape_is_refused(tmp_path, raw):
     out = str(tmp_path / "out")
     prep(out, [raw])
