@@ -495,6 +495,7 @@ def test_going_back_or_closing_a_prefetching_loader_drops_the_batches_built_ahea
     prep(out, [raw])
     ref = take(build_dataloader(DataConfig(path=out, prefetch=0), BYTE, 8, 2), 6)
     dl = build_dataloader(DataConfig(path=out, prefetch=3), BYTE, 8, 2)
+    assert iter(dl) is dl  # `for batch in loader` in a custom loop
     take(dl, 1)
     at_1 = dl.state_dict()
     take(dl, 3)  # and up to three more built ahead
