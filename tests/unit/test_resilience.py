@@ -1,5 +1,5 @@
 """The resilience parts in one process: the preemption flag, the hang verdict from per-rank reports,
-the watchdog's limit, and the init timeout given to the process group."""
+the watchdog's limit and what it watches, and the init timeout given to the process group."""
 
 import os
 import signal
@@ -9,7 +9,7 @@ from pathlib import Path
 import torch.distributed as dist
 
 from trainlib.distributed import CommConfig, destroy_distributed, init_distributed
-from trainlib.resilience import Preemption, StepMonitor, WatchdogConfig, hang_verdict
+from trainlib.resilience import Preemption, StepMonitor, Watchdog, WatchdogConfig, hang_verdict
 
 
 def test_a_preemption_signal_stops_after_the_next_step_and_the_handler_stays_for_the_exit():
@@ -87,6 +87,53 @@ def test_watchdog_limit_is_step_factor_times_the_median_and_enable_false_builds_
         assert monitor.watchdog.limit() == 4.0
     finally:
         destroy_distributed()
+
+
+def _wait_for(reports, seconds=20.0):
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not reports and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert reports, "the watchdog reported nothing"
+
+
+def test_the_watchdog_watches_steps_only_and_the_first_rank_over_the_limit_marks_the_hang(tmp_path, monkeypatch):
+    """Time between steps (logging, saves, validation) and unwatched steps (the first
+    after a start) never count; a watched step over the limit does, once."""
+    import time
+
+    reports = []
+    monkeypatch.setattr(Watchdog, "_report_and_exit", lambda self, first: reports.append((self.step, first)))
+    store = dist.HashStore()
+    dog = Watchdog(WatchdogConfig(step_factor=2, min_seconds=0.3), 60.0, tmp_path, 0, 2, store)
+    try:
+        assert dog.poll == 0.5
+        dog.start_step(1, watched=False)
+        time.sleep(1.2)
+        dog.end_step(1.2)
+        dog.start_step(2, watched=True)
+        dog.end_step(0.01)
+        time.sleep(1.2)  # between steps
+        assert reports == [] and list(dog.step_times) == [0.01]  # the unwatched step's time is not a step time
+        dog.start_step(3, watched=True)
+        _wait_for(reports)
+        assert reports[0] == (3, True) and store.get("trainlib/hang") == b"0"
+    finally:
+        dog.close()
+
+
+def test_a_hang_marked_by_another_rank_is_reported_between_steps_too(tmp_path, monkeypatch):
+    reports = []
+    monkeypatch.setattr(Watchdog, "_report_and_exit", lambda self, first: reports.append((self.step, first)))
+    store = dist.HashStore()
+    dog = Watchdog(WatchdogConfig(min_seconds=5), 60.0, tmp_path, 1, 2, store)
+    try:
+        store.set("trainlib/hang", "0")
+        _wait_for(reports)
+        assert reports[0] == (0, False)
+    finally:
+        dog.close()
 
 
 def test_init_timeout_reaches_the_process_group(monkeypatch):
