@@ -136,6 +136,34 @@ def test_a_hang_marked_by_another_rank_is_reported_between_steps_too(tmp_path, m
         dog.close()
 
 
+def test_step_monitor_times_steps_for_the_spread_and_passes_the_stop_on(tmp_path):
+    import time
+
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    init_distributed(CommConfig(), "cpu")
+    monitor = StepMonitor(WatchdogConfig(enable=False), 60.0, tmp_path)
+    try:
+        for seconds in (0.05, 0.25):
+            monitor.start_step(1)
+            time.sleep(seconds)
+            assert monitor.end_step() is False
+        spread = monitor.spread()  # the mean of the steps since the last call, per rank
+        assert 0.15 <= spread["step_time_max_s"] < 0.3 and spread["step_time_max_s"] == spread["step_time_min_s"]
+        assert spread["step_time_max_rank"] == spread["step_time_min_rank"] == 0
+        monitor.start_step(2)
+        assert monitor.end_step() is False
+        assert monitor.spread()["step_time_max_s"] < 0.05  # the window started again
+        monitor.start_step(3)
+        os.kill(os.getpid(), signal.SIGUSR1)
+        monitor.start_step(4)  # the flag is read when a step starts
+        assert monitor.end_step() is True
+    finally:
+        monitor.close()
+        destroy_distributed()
+        for sig, handler in previous.items():  # kept by close() for the exit that a stop means
+            signal.signal(sig, handler)
+
+
 def test_init_timeout_reaches_the_process_group(monkeypatch):
     calls = []
     monkeypatch.setattr(dist, "init_process_group", lambda **kw: calls.append(kw))
