@@ -171,9 +171,32 @@ def test_prepare_resumes_after_interruption(tmp_path, raw):
     assert {n: os.stat(shard_paths(str(out), n)[0]).st_mtime_ns for n in names} == after
 
 
+def test_a_prepare_stopped_before_its_first_shard_is_resumed_by_the_same_command(tmp_path, raw, monkeypatch):
+    from trainlib.data import prepare as prepare_mod
+
+    ref = prep(tmp_path / "ref", [raw])
+    original = prepare_mod._tokenize
+
+    def interrupted(*a, **kw):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(prepare_mod, "_tokenize", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prep(tmp_path / "out", [raw])
+    assert read_manifest(str(tmp_path / "out"))["complete"] is False  # the folder says what it is for
+    monkeypatch.setattr(prepare_mod, "_tokenize", original)
+    assert prep(tmp_path / "out", [raw])["shards"] == ref["shards"]
+
+
 def test_prepare_refuses_another_corpus(tmp_path, raw, capsys):
     out = tmp_path / "out"
-    prep(out, [raw / "a.jsonl"])
+    first = prep(out, [raw / "a.jsonl"])
+    (tmp_path / "moved").mkdir()
+    (tmp_path / "moved" / "a.jsonl").write_bytes((raw / "a.jsonl").read_bytes())
+    assert prep(out, [tmp_path / "moved" / "a.jsonl"]) == first  # the same contents elsewhere: the same corpus
+    assert "already holds this corpus, complete" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--workers=0 must be >= 1"):
+        prep(tmp_path / "new", [raw], workers=0)
     with pytest.raises(ConfigError, match=r"holds another prepared corpus \(its sources differ"):
         prep(out, [raw / "b.jsonl"])
     with pytest.raises(ConfigError, match=r"its tokenizer, options differ"):
