@@ -8,6 +8,7 @@ collect the same way.
 import gc
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import sysconfig
@@ -39,8 +40,40 @@ def run_cli(args, nproc=1, timeout=600, cwd=None, env=None):
     """Run the real CLI (torchrun for nproc > 1), with `env` added to the
     environment. Returns CompletedProcess."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    return subprocess.run(train_command(nproc, args), capture_output=True, text=True, timeout=timeout,
-                          cwd=cwd or REPO, env=env)
+    cmd = train_command(nproc, args)
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd or REPO, env=env)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except BaseException:
+        kill_tree(proc)
+        raise
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def kill_tree(proc: subprocess.Popen) -> None:
+    """SIGKILL `proc` and every process below it. torchrun starts its workers
+    in sessions of their own, so killing torchrun alone (what a timeout does)
+    would leave them running: a hung rank sleeps on, holding its memory."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+            children.setdefault(ppid, []).append(int(entry))
+    below, todo = [], [proc.pid]
+    while todo:
+        kids = children.get(todo.pop(), [])
+        below += kids
+        todo += kids
+    for pid in [proc.pid, *below]:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    proc.wait()
 
 
 def cxx_compiler_problem() -> str | None:

@@ -14,12 +14,13 @@ import os
 import random
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, fault_env, run_cli
+from tests.helpers import REPO, fault_env, kill_tree, run_cli
 from trainlib.checkpoint import complete_steps, incomplete_folders
 from trainlib.errors import EXIT_HUNG, EXIT_PREEMPTED
 
@@ -195,7 +196,7 @@ def _finish(procs, timeout=600):
             out, _ = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
             for q in procs:
-                q.kill()
+                kill_tree(q)
             raise
         outs.append((p.returncode, out))
     for rc, out in outs:
@@ -405,14 +406,19 @@ def test_a_hung_rank_is_named_with_stacks_of_every_rank_before_the_collective_ti
            *BASE, f"--job.dump_folder={folder}", *lay, "--watchdog.min_seconds=3", "--comm.train_timeout_seconds=120"]
     env = dict(os.environ, OMP_NUM_THREADS="1", **fault_env(tmp_path / "faults", "after_update:5:1:HANG"))
     proc = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    hung_at, lines = None, []
-    for line in proc.stdout:
-        lines.append(line)
-        if "[fault injection] HANG rank 1 at after_update of step 5" in line:
-            hung_at = time.monotonic()
-    proc.wait(timeout=60)
+    stamped = []  # (arrival, line): read aside, so that a job that never ends cannot block the test
+    reader = threading.Thread(target=lambda: stamped.extend((time.monotonic(), x) for x in proc.stdout), daemon=True)
+    reader.start()
+    try:
+        proc.wait(timeout=120)
+        ended = time.monotonic()
+    finally:  # a watchdog that failed must not leave the sleeping rank behind
+        kill_tree(proc)
+        reader.join(timeout=10)
+    lines = [x for _, x in stamped]
     out = "".join(lines)
-    assert hung_at is not None and time.monotonic() - hung_at < 60, out[-3000:]  # half the collective timeout
+    hung_at = next((t for t, x in stamped if "[fault injection] HANG rank 1 at after_update of step 5" in x), None)
+    assert hung_at is not None and ended - hung_at < 60, out[-3000:]  # half the collective timeout
     assert f"exitcode  : {EXIT_HUNG}" in out, out[-3000:]
     (verdict,) = [x for x in lines if x.startswith("trainlib: hang")]
     assert verdict.startswith("trainlib: hang at step 6: rank 1 did not arrive at gloo:all_reduce #"), verdict
