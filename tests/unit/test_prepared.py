@@ -188,6 +188,28 @@ def test_a_prepare_stopped_before_its_first_shard_is_resumed_by_the_same_command
     assert prep(tmp_path / "out", [raw])["shards"] == ref["shards"]
 
 
+def test_a_prepare_interrupted_twice_keeps_every_shard_and_their_order(tmp_path, raw, monkeypatch):
+    ref = prep(tmp_path / "ref", [raw])
+    out = tmp_path / "out"
+    recorded = []
+    for _ in range(2):
+        calls = []
+
+        def interrupt(self, source, path):
+            calls.append(source)
+            if len(calls) == 3:
+                raise KeyboardInterrupt
+
+        monkeypatch.setattr(_Progress, "show", interrupt)
+        with pytest.raises(KeyboardInterrupt):
+            prep(out, [raw])
+        shards = [e["name"] for e in map(json.loads, (out / STATE).read_text().splitlines()) if "name" in e]
+        assert shards[:len(recorded)] == recorded and len(shards) > len(recorded)  # the first run's kept
+        recorded = shards
+    monkeypatch.undo()
+    assert prep(out, [raw])["shards"] == ref["shards"]
+
+
 def test_prepare_refuses_another_corpus(tmp_path, raw, capsys):
     out = tmp_path / "out"
     first = prep(out, [raw / "a.jsonl"])
@@ -245,6 +267,11 @@ def test_progress_line(tmp_path, capsys):
     report.interval = 60
     report.show(2, None)
     assert capsys.readouterr().err == ""
+    src = write_jsonl(tmp_path / "f.jsonl", ["ab"])
+    prep(tmp_path / "quiet", [src])
+    assert capsys.readouterr().err == ""  # progress=False: no summary either
+    prep(tmp_path / "out", [src], progress=True)
+    assert "prepare: wrote " in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- loader
