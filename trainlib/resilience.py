@@ -188,7 +188,8 @@ class Watchdog:
 
 def _frame_text(frame) -> str:
     path = frame.f_code.co_filename
-    for root in (str(Path(__file__).resolve().parents[1]) + os.sep, f"site-packages{os.sep}"):
+    # site-packages first: a virtual environment inside the checkout is under both
+    for root in (f"site-packages{os.sep}", str(Path(__file__).resolve().parents[1]) + os.sep):
         if root in path:
             path = path.split(root, 1)[1]
             break

@@ -164,6 +164,54 @@ def test_step_monitor_times_steps_for_the_spread_and_passes_the_stop_on(tmp_path
             signal.signal(sig, handler)
 
 
+def test_a_stack_is_located_by_its_innermost_frame_trainlib_caller_and_torch_distributed_function():
+    """What a hang report says of a rank's main thread: frames built with the
+    file names of a trainlib module and of torch.distributed (no real hang)."""
+    import sys
+
+    import torch
+
+    from trainlib import resilience
+
+    def function_in(path, name, body):
+        scope = {"sys": sys}
+        exec(compile(f"def {name}(inner=None):\n    {body}\n", str(path), "exec"), scope)
+        return scope[name]
+
+    trainlib_file = Path(resilience.__file__).parent / "train_fake.py"
+    torch_file = Path(torch.__file__).parent / "distributed" / "c10d_fake.py"
+    all_reduce = function_in(torch_file, "all_reduce", "return sys._getframe()")
+    train_loop = function_in(trainlib_file, "train_loop", "return inner()")
+    where, caller, blocked_in = resilience._locate(train_loop(all_reduce))
+    assert where == "torch/distributed/c10d_fake.py:2 in all_reduce"  # paths from site-packages or the checkout
+    assert caller == "trainlib/train_fake.py:2 in train_loop" and blocked_in == "all_reduce"
+    sleep = function_in(Path(__file__), "nap", "return sys._getframe()")
+    where, caller, blocked_in = resilience._locate(train_loop(sleep))
+    assert where.endswith("test_resilience.py:2 in nap") and caller.startswith("trainlib/") and blocked_in is None
+    assert resilience._locate(None) == (None, None, None)
+
+
+def test_the_flight_recorder_gives_each_groups_last_collective(tmp_path):
+    import json
+
+    import torch
+
+    from trainlib.resilience import _flight_recorder
+
+    init_distributed(CommConfig(), "cpu")
+    try:
+        for _ in range(3):
+            dist.all_reduce(torch.ones(1))
+        last = _flight_recorder(tmp_path / "fr.json")
+    finally:
+        destroy_distributed()
+    entries = json.loads((tmp_path / "fr.json").read_text())
+    assert len(entries) >= 3 and all("collective_seq_id" in e for e in entries)
+    ((key, (seq, name, created, label, members)),) = last.items()
+    assert key.endswith(" [0]") and members == [0] and name == "gloo:all_reduce"
+    assert seq == max(e["collective_seq_id"] for e in entries) >= 3 and created > 0 and label.endswith("rank 0")
+
+
 def test_init_timeout_reaches_the_process_group(monkeypatch):
     calls = []
     monkeypatch.setattr(dist, "init_process_group", lambda **kw: calls.append(kw))
