@@ -188,6 +188,17 @@ def test_a_prepare_stopped_before_its_first_shard_is_resumed_by_the_same_command
     assert prep(tmp_path / "out", [raw])["shards"] == ref["shards"]
 
 
+def test_shards_hold_at_least_shard_mb_of_text_except_each_sources_last(tmp_path, raw):
+    shards = prep(tmp_path / "out", [raw])["shards"]
+    by_source = {}
+    for s in shards:
+        by_source.setdefault(s["name"].split("-")[0], []).append(s)
+    assert len(shards) > len(by_source)
+    for group in by_source.values():
+        for s in group[:-1]:  # byte tokenizer: a token per byte, plus BOS and EOS per document
+            assert s["tokens"] - 2 * s["documents"] >= TINY_SHARDS * 2**20, s
+
+
 def test_a_prepare_interrupted_twice_keeps_every_shard_and_their_order(tmp_path, raw, monkeypatch):
     ref = prep(tmp_path / "ref", [raw])
     out = tmp_path / "out"
@@ -267,6 +278,10 @@ def test_progress_line(tmp_path, capsys):
     report.interval = 60
     report.show(2, None)
     assert capsys.readouterr().err == ""
+    report.interval, report.last = 0.5, 0.0
+    report.show(2, None)
+    report.show(2, None)  # within the interval of the line just printed
+    assert len(capsys.readouterr().err.splitlines()) == 1
     src = write_jsonl(tmp_path / "f.jsonl", ["ab"])
     prep(tmp_path / "quiet", [src])
     assert capsys.readouterr().err == ""  # progress=False: no summary either
