@@ -1,4 +1,5 @@
-"""Hugging Face and Meta interop in one process: CLI errors and shape fallbacks, Meta-format import."""
+"""Hugging Face and Meta interop in one process: CLI errors and shape fallbacks, Meta-format import,
+refusals of weights of another shape or format."""
 
 import json
 
@@ -102,3 +103,41 @@ def test_meta_consolidated_pth_loads_into_a_model(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(run.state_dict().values(), dst.state_dict().values(), strict=True))
     with pytest.raises(ValueError, match="n_layers=2"):
         load_meta_into_model([dst], tmp_path, get_model_args("debug", n_layers=2))
+
+
+def test_weights_of_another_shape_or_format_are_refused_with_the_fix(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from trainlib.checkpoint.convert import hf_to_dcp, read_dcp_model, saved_model_args
+    from trainlib.checkpoint.hf import checkpoint_format, load_hf_into_model, load_meta_into_model, write_hf_folder
+    from trainlib.errors import ConfigError
+    from trainlib.models.llama3 import get_model_args
+
+    args = get_model_args("debug")
+    model = Transformer(args, rope_len=8)
+    model.init_weights(seed=0)
+    write_hf_folder(model.state_dict(), args, tmp_path / "hf")
+    assert checkpoint_format(tmp_path / "hf") == "hf"
+    other = Transformer(args, rope_len=8)
+    other.init_weights(seed=1)
+    load_hf_into_model([other], tmp_path / "hf", args)
+    assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), model.state_dict().values(), strict=True))
+    with pytest.raises(ConfigError, match=r"HF checkpoint .* holds a model of dim=64 n_layers=4 .* but this run builds "
+                                          r"dim=64 n_layers=2 .*; set model.flavor / model.n_layers"):
+        load_hf_into_model([other], tmp_path / "hf", get_model_args("debug", n_layers=2))
+
+    assert hf_to_dcp(tmp_path / "hf", tmp_path / "dcp") == saved_model_args(tmp_path / "dcp")
+    assert checkpoint_format(tmp_path / "dcp") == "dcp"
+    assert set(read_dcp_model(tmp_path / "dcp")) == set(model.state_dict())
+    dcp.save({"trainer": {"step": torch.tensor(3)}}, checkpoint_id=str(tmp_path / "no_model"), no_dist=True)
+    with pytest.raises(ConfigError, match="holds no model tensors"):
+        read_dcp_model(tmp_path / "no_model")
+
+    (tmp_path / "meta").mkdir()
+    for n in (0, 1):  # a model-parallel Meta checkpoint
+        torch.save({}, tmp_path / "meta" / f"consolidated.0{n}.pth")
+    assert checkpoint_format(tmp_path / "meta") == "meta"
+    with pytest.raises(ConfigError, match="holds 2 consolidated.*pth files .*convert larger ones to HF format first"):
+        load_meta_into_model([other], tmp_path / "meta", args)
+    with pytest.raises(ConfigError, match="is neither a DCP checkpoint folder .*, a Hugging Face folder"):
+        checkpoint_format(tmp_path / "no_model" / "missing")
