@@ -158,6 +158,20 @@ def test_tokenizer_errors(kind, tmp_path):
         build_tokenizer(TokenizerConfig(kind=kind, path=str(tmp_path / "missing.json")))
 
 
+def test_a_tiktoken_file_that_is_not_one_is_refused_by_line(tmp_path):
+    pytest.importorskip("tiktoken")
+    path = tmp_path / "tokenizer.model"
+    base = _write_tiny_tiktoken_model(path)
+    path.write_bytes(path.read_bytes() + b"\n\n")  # blank lines are skipped
+    assert build_tokenizer(TokenizerConfig(kind="tiktoken", path=str(path))).vocab_size == base + 256
+    path.write_bytes(path.read_bytes() + b"dGhl 3 extra\n")
+    with pytest.raises(ValueError, match=rf"line {base + 3} is not '<base64 token> <rank>': set tokenizer.path to a"):
+        build_tokenizer(TokenizerConfig(kind="tiktoken", path=str(path)))
+    path.write_bytes(b"\n")
+    with pytest.raises(ValueError, match="holds no tokens: set tokenizer.path to a tiktoken tokenizer.model file"):
+        build_tokenizer(TokenizerConfig(kind="tiktoken", path=str(path)))
+
+
 def test_tokenizer_unknown_kind():
     with pytest.raises(ValueError, match="tokenizer.kind='spm' is unknown"):
         build_tokenizer(TokenizerConfig(kind="spm"))  # type: ignore[arg-type]
