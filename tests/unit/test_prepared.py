@@ -199,6 +199,22 @@ def test_shards_hold_at_least_shard_mb_of_text_except_each_sources_last(tmp_path
             assert s["tokens"] - 2 * s["documents"] >= TINY_SHARDS * 2**20, s
 
 
+def test_the_state_file_records_each_shard_and_each_finished_source_in_order(tmp_path, raw, monkeypatch, capsys):
+    from trainlib.data import prepare as prepare_mod
+
+    kept = []
+    monkeypatch.setattr(prepare_mod.os, "remove", kept.append)  # the state file stays for the test to read
+    m = prep(tmp_path / "out", [raw], progress=True)
+    assert kept == [str(tmp_path / "out" / STATE)]
+    events = [json.loads(x) for x in (tmp_path / "out" / STATE).read_text().splitlines()]
+    sources = [e["name"][:5] if "name" in e else e["sources_done"] for e in events]
+    # a resume skips the sources recorded as done without reading them again
+    assert sources == [0, *["00000"] * sum(s["name"].startswith("00000") for s in m["shards"]), 1,
+                       *["00001"] * sum(s["name"].startswith("00001") for s in m["shards"]), 2,
+                       *["00002"] * sum(s["name"].startswith("00002") for s in m["shards"]), 3]
+    assert f"this run {m['num_tokens']:,} tokens in" in capsys.readouterr().err
+
+
 def test_a_prepare_interrupted_twice_keeps_every_shard_and_their_order(tmp_path, raw, monkeypatch):
     ref = prep(tmp_path / "ref", [raw])
     out = tmp_path / "out"
@@ -230,6 +246,8 @@ def test_prepare_refuses_another_corpus(tmp_path, raw, capsys):
     assert "already holds this corpus, complete" in capsys.readouterr().err
     with pytest.raises(ConfigError, match="--workers=0 must be >= 1"):
         prep(tmp_path / "new", [raw], workers=0)
+    with pytest.raises(ConfigError, match="--shard-mb=0 must be > 0"):
+        prep(tmp_path / "new", [raw], shard_mb=0)
     with pytest.raises(ConfigError, match=r"holds another prepared corpus \(its sources differ"):
         prep(out, [raw / "b.jsonl"])
     with pytest.raises(ConfigError, match=r"its tokenizer, options differ"):

@@ -67,6 +67,11 @@ def test_hang_verdict_without_recorder_entries_names_the_ranks_outside_torch_dis
     assert "rank 1 did not arrive at all_reduce, which ranks 0,2 entered" in line
 
 
+def test_hang_verdict_when_no_rank_reported():
+    assert hang_verdict({}, 2, 3.0, Path("/run")) == ("hang: no rank reported in time (limit 3.0 s); Python stacks and "
+                                                     "flight recorder of every rank in /run")
+
+
 def test_hang_verdict_when_every_rank_waits():
     reports = {r: _report(6, {"0": 12}) for r in range(3)}
     assert hang_verdict(reports, 3, 3.0, Path("/run")).startswith("hang: no rank is behind, every rank waits")
