@@ -196,25 +196,28 @@ def test_a_stack_is_located_by_its_innermost_frame_trainlib_caller_and_torch_dis
     assert resilience._locate(None) == (None, None, None)
 
 
-def test_the_flight_recorder_gives_each_groups_last_collective(tmp_path):
+def _flight_recorder_of_three_all_reduces(rank, world, folder):
     import json
 
     import torch
 
     from trainlib.resilience import _flight_recorder
 
-    init_distributed(CommConfig(), "cpu")
-    try:
-        for _ in range(3):
-            dist.all_reduce(torch.ones(1))
-        last = _flight_recorder(tmp_path / "fr.json")
-    finally:
-        destroy_distributed()
-    entries = json.loads((tmp_path / "fr.json").read_text())
-    assert len(entries) >= 3 and all("collective_seq_id" in e for e in entries)
+    for _ in range(3):
+        dist.all_reduce(torch.ones(1))
+    last = _flight_recorder(Path(folder) / f"fr{rank}.json")
+    entries = json.loads((Path(folder) / f"fr{rank}.json").read_text())
+    assert len(entries) == 3 and [e["collective_seq_id"] for e in entries] == [1, 2, 3], entries
     ((key, (seq, name, created, label, members)),) = last.items()
-    assert key.endswith(" [0]") and members == [0] and name == "gloo:all_reduce"
-    assert seq == max(e["collective_seq_id"] for e in entries) >= 3 and created > 0 and label.endswith("rank 0")
+    assert key.endswith(" [0, 1]") and members == [0, 1] and name == "gloo:all_reduce", last
+    assert seq == 3 and created == entries[-1]["time_created_ns"] > 0 and label.endswith("ranks 0-1"), last
+
+
+def test_the_flight_recorder_gives_each_groups_last_collective(tmp_path):
+    """In fresh processes: the recorder holds every collective a process entered, its earlier groups' too."""
+    from tests.helpers import spawn
+
+    spawn(_flight_recorder_of_three_all_reduces, 2, str(tmp_path))
 
 
 def test_init_timeout_reaches_the_process_group(monkeypatch):
