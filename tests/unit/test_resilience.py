@@ -67,6 +67,12 @@ def test_hang_verdict_without_recorder_entries_names_the_ranks_outside_torch_dis
     assert "rank 1 did not arrive at all_reduce, which ranks 0,2 entered" in line
 
 
+def test_rank_lists_are_written_as_spans():
+    from trainlib.resilience import _ranks
+
+    assert _ranks([5, 0, 1, 2]) == "ranks 0-2,5" and _ranks([3]) == "rank 3" and _ranks([1, 3]) == "ranks 1,3"
+
+
 def test_hang_verdict_when_no_rank_reported():
     assert hang_verdict({}, 2, 3.0, Path("/run")) == ("hang: no rank reported in time (limit 3.0 s); Python stacks and "
                                                      "flight recorder of every rank in /run")
