@@ -24,6 +24,7 @@ from trainlib.data import (
 )
 from trainlib.data.prepare import STATE, _Progress, _read_position, prepare
 from trainlib.data.prepare import main as prepare_main
+from trainlib.data import prepare as prepare_mod
 from trainlib.data import prepared
 from trainlib.errors import ConfigError
 from trainlib.data.prepared import (
@@ -69,6 +70,10 @@ def prep(out, sources, **kw):
 
 def take(loader, n):
     return [next(loader) for _ in range(n)]
+
+
+def inputs(batches):
+    return [b["input"].tolist() for b in batches]
 
 
 def hf_tokenizer(tmp_path) -> str:
@@ -172,19 +177,15 @@ def test_prepare_resumes_after_interruption(tmp_path, raw):
 
 
 def test_a_prepare_stopped_before_its_first_shard_is_resumed_by_the_same_command(tmp_path, raw, monkeypatch):
-    from trainlib.data import prepare as prepare_mod
-
     ref = prep(tmp_path / "ref", [raw])
-    original = prepare_mod._tokenize
 
     def interrupted(*a, **kw):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(prepare_mod, "_tokenize", interrupted)
-    with pytest.raises(KeyboardInterrupt):
+    with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+        m.setattr(prepare_mod, "_tokenize", interrupted)
         prep(tmp_path / "out", [raw])
     assert read_manifest(str(tmp_path / "out"))["complete"] is False  # the folder says what it is for
-    monkeypatch.setattr(prepare_mod, "_tokenize", original)
     assert prep(tmp_path / "out", [raw])["shards"] == ref["shards"]
 
 
@@ -200,18 +201,17 @@ def test_shards_hold_at_least_shard_mb_of_text_except_each_sources_last(tmp_path
 
 
 def test_the_state_file_records_each_shard_and_each_finished_source_in_order(tmp_path, raw, monkeypatch, capsys):
-    from trainlib.data import prepare as prepare_mod
-
     kept = []
     monkeypatch.setattr(prepare_mod.os, "remove", kept.append)  # the state file stays for the test to read
     m = prep(tmp_path / "out", [raw], progress=True)
     assert kept == [str(tmp_path / "out" / STATE)]
     events = [json.loads(x) for x in (tmp_path / "out" / STATE).read_text().splitlines()]
     sources = [e["name"][:5] if "name" in e else e["sources_done"] for e in events]
+    expected = [0]  # sources done so far, then each of the next source's shards, ...
+    for k in range(3):
+        expected += [f"{k:05d}"] * sum(s["name"].startswith(f"{k:05d}") for s in m["shards"]) + [k + 1]
     # a resume skips the sources recorded as done without reading them again
-    assert sources == [0, *["00000"] * sum(s["name"].startswith("00000") for s in m["shards"]), 1,
-                       *["00001"] * sum(s["name"].startswith("00001") for s in m["shards"]), 2,
-                       *["00002"] * sum(s["name"].startswith("00002") for s in m["shards"]), 3]
+    assert sources == expected
     assert f"this run {m['num_tokens']:,} tokens in" in capsys.readouterr().err
 
 
@@ -227,13 +227,12 @@ def test_a_prepare_interrupted_twice_keeps_every_shard_and_their_order(tmp_path,
             if len(calls) == 3:
                 raise KeyboardInterrupt
 
-        monkeypatch.setattr(_Progress, "show", interrupt)
-        with pytest.raises(KeyboardInterrupt):
+        with monkeypatch.context() as m, pytest.raises(KeyboardInterrupt):
+            m.setattr(_Progress, "show", interrupt)
             prep(out, [raw])
         shards = [e["name"] for e in map(json.loads, (out / STATE).read_text().splitlines()) if "name" in e]
         assert shards[:len(recorded)] == recorded and len(shards) > len(recorded)  # the first run's kept
         recorded = shards
-    monkeypatch.undo()
     assert prep(out, [raw])["shards"] == ref["shards"]
 
 
@@ -507,24 +506,27 @@ def test_prepared_folder_paths_expand_home_and_files_are_closed(tmp_path, raw, m
     def open_fds():
         return len(os.listdir("/proc/self/fd"))
 
+    def read_every_shard(ds):
+        ds.read(0, np.empty(ds.num_tokens, ds.dtype), np.zeros(ds.num_tokens, bool))
+
     prep(tmp_path / "out", [raw])
     monkeypatch.setenv("HOME", str(tmp_path))
     before = open_fds()
     ds = prepared.PreparedDataset("~/out", BYTE, 8)
     assert ds.folder == str(tmp_path / "out")
-    ds.read(0, np.empty(ds.num_tokens, ds.dtype), np.zeros(ds.num_tokens, bool))  # every shard: opens files
+    read_every_shard(ds)
     assert open_fds() > before
     ds.close()
     assert open_fds() == before
     ds = prepared.PreparedDataset(str(tmp_path / "out"), BYTE, 8)
-    ds.read(0, np.empty(ds.num_tokens, ds.dtype), np.zeros(ds.num_tokens, bool))
+    read_every_shard(ds)
     del ds
     gc.collect()
     assert open_fds() == before  # an abandoned dataset closes its files
     monkeypatch.setattr(prepared, "OPEN_SHARDS", 2)
     ds = prepared.PreparedDataset(str(tmp_path / "out"), BYTE, 8)
     assert len(ds.names) > 2
-    ds.read(0, np.empty(ds.num_tokens, ds.dtype), np.zeros(ds.num_tokens, bool))
+    read_every_shard(ds)
     assert open_fds() == before + 2 * 2  # two shards open (tokens, documents), however many were read
     ds.close()
 
@@ -552,7 +554,7 @@ def test_a_prefetch_thread_waiting_on_a_full_queue_keeps_going_and_ends_with_its
     while not dl._queue.full() and time.time() < deadline:
         time.sleep(0.01)
     time.sleep(0.5)  # the thread's put has timed out on the full queue a few times
-    assert [b["input"].tolist() for b in take(dl, 3)] == [b["input"].tolist() for b in ref[1:4]]
+    assert inputs(take(dl, 3)) == inputs(ref[1:4])
     while not dl._queue.full() and time.time() < deadline:
         time.sleep(0.01)
     thread = dl._thread
@@ -583,11 +585,11 @@ def test_going_back_or_closing_a_prefetching_loader_drops_the_batches_built_ahea
     at_1 = dl.state_dict()
     take(dl, 3)  # and up to three more built ahead
     dl.load_state_dict(at_1)
-    assert [b["input"].tolist() for b in take(dl, 2)] == [b["input"].tolist() for b in ref[1:3]]
+    assert inputs(take(dl, 2)) == inputs(ref[1:3])
     thread = dl._thread
     dl.close()
     assert not thread.is_alive()
-    assert [b["input"].tolist() for b in take(dl, 3)] == [b["input"].tolist() for b in ref[3:6]]
+    assert inputs(take(dl, 3)) == inputs(ref[3:6])
     dl.close()
 
 

@@ -6,6 +6,7 @@ import signal
 from datetime import timedelta
 from pathlib import Path
 
+import pytest
 import torch.distributed as dist
 
 from trainlib.distributed import CommConfig, destroy_distributed, init_distributed
@@ -109,13 +110,20 @@ def _wait_for(reports, seconds=20.0):
     assert reports, "the watchdog reported nothing"
 
 
-def test_the_watchdog_watches_steps_only_and_the_first_rank_over_the_limit_marks_the_hang(tmp_path, monkeypatch):
+@pytest.fixture
+def reports(monkeypatch) -> list:
+    """What the watchdog would report and exit with, (step, first), recorded instead."""
+    seen = []
+    monkeypatch.setattr(Watchdog, "_report_and_exit", lambda self, first: seen.append((self.step, first)))
+    return seen
+
+
+def test_the_watchdog_watches_steps_only_and_the_first_rank_over_the_limit_marks_the_hang(tmp_path, reports):
     """Time between steps (logging, saves, validation) and unwatched steps (the first
-    after a start) never count; a watched step over the limit does, once."""
+    after a start) never count; a watched step over the limit does, and this rank,
+    the first over it, marks the hang with its number."""
     import time
 
-    reports = []
-    monkeypatch.setattr(Watchdog, "_report_and_exit", lambda self, first: reports.append((self.step, first)))
     store = dist.HashStore()
     dog = Watchdog(WatchdogConfig(step_factor=2, min_seconds=0.3), 60.0, tmp_path, 0, 2, store)
     try:
@@ -134,9 +142,7 @@ def test_the_watchdog_watches_steps_only_and_the_first_rank_over_the_limit_marks
         dog.close()
 
 
-def test_a_hang_marked_by_another_rank_is_reported_between_steps_too(tmp_path, monkeypatch):
-    reports = []
-    monkeypatch.setattr(Watchdog, "_report_and_exit", lambda self, first: reports.append((self.step, first)))
+def test_a_hang_marked_by_another_rank_is_reported_between_steps_too(tmp_path, reports):
     store = dist.HashStore()
     dog = Watchdog(WatchdogConfig(min_seconds=5), 60.0, tmp_path, 1, 2, store)
     try:
