@@ -108,9 +108,8 @@ def run_layout(recipe: str | None, spec: str, steps: int, out_dir: Path, extra: 
                timeout: float = 900.0) -> LayoutRun:
     nproc, args, folder = _layout_args(spec, steps, out_dir, extra or [])
     cmd = train_command(nproc, (["--recipe", recipe] if recipe else []) + args)
-    proc = subprocess.run(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), capture_output=True, text=True,
-                          timeout=timeout)
     name = spec or "single"
+    proc = _run(cmd, name, timeout)
     if proc.returncode != 0:
         # The job rejected its input (exit 2; torchrun reports 1): pass its one-line reason on.
         reason = next((x for x in proc.stderr.splitlines() if x.startswith("trainlib: error: ")), None)
@@ -121,6 +120,26 @@ def run_layout(recipe: str | None, spec: str, steps: int, out_dir: Path, extra: 
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
     return LayoutRun(name, nproc, [r["loss"] for r in records], [r["grad_norm"] for r in records],
                      output=proc.stdout + proc.stderr)
+
+
+def _run(cmd: list[str], name: str, timeout: float) -> subprocess.CompletedProcess:
+    proc = subprocess.Popen(cmd, env=dict(os.environ, OMP_NUM_THREADS="1"), stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        # SIGTERM, not the SIGKILL of subprocess.run's timeout: torchrun passes it on to its workers and
+        # waits for them, while a killed torchrun leaves them running (each is in a session of its own).
+        proc.terminate()
+        try:
+            out, err = proc.communicate(timeout=60)  # torchrun gives its workers 30 s, then kills them
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()  # not communicate(): a surviving worker would hold the pipes open forever
+            out, err = "", ""
+        tail = "\n".join((out + err).splitlines()[-40:])
+        raise RuntimeError(f"layout '{name}' did not finish within {timeout:g} s and was stopped:\n{tail}") from None
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
 
 
 def run_parity(recipe: str | None, layouts: list[str], steps: int = 10, extra: list[str] | None = None,

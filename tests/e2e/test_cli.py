@@ -2,11 +2,14 @@
 
 import json
 import os
-import subprocess
+import signal
 import sys
 
-from tests.helpers import RECIPES, REPO
+import pytest
+
+from tests.helpers import RECIPES, REPO, run_tree
 from trainlib.config import load_job_config
+from trainlib.parity import run_layout
 
 CONTRACT = ("step", "loss", "grad_norm", "lr", "tokens_per_second", "step_time_s", "tflops", "mfu", "peak_memory_gib")
 
@@ -36,8 +39,7 @@ def test_user_error_exit_code_and_no_traceback_in_a_real_process(cli):
 
 def _parity(*args):
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    return subprocess.run([sys.executable, "-m", "trainlib.parity", *args], capture_output=True, text=True,
-                          timeout=300, cwd=REPO, env=env)
+    return run_tree([sys.executable, "-m", "trainlib.parity", *args], 300, cwd=REPO, env=env)
 
 
 def test_parity_cli_overrides_reach_every_run(tmp_path):
@@ -61,3 +63,27 @@ def test_parity_cli_passes_a_ranks_rejection_on_as_one_line():
     assert proc.stderr.strip().splitlines() == [
         "trainlib: error: layout 'dp_shard=2': training.global_batch_size (3) must be divisible by the "
         "data-parallel degree dp_replicate*dp_shard (2); change the batch or the layout"]
+
+
+def _processes_naming(text: str) -> list[int]:
+    pids = []
+    for entry in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{entry}/cmdline", "rb") as f:
+                if text.encode() in f.read():
+                    pids.append(int(entry))
+        except OSError:  # gone meanwhile
+            pass
+    return pids
+
+
+@pytest.mark.slow  # 25 s: a 2-rank job stopped at its time limit
+def test_parity_stops_a_layout_past_its_time_limit_with_its_workers(tmp_path):
+    # torchrun's workers run in sessions of their own: a timeout that killed torchrun alone left them training.
+    try:
+        with pytest.raises(RuntimeError, match=r"layout 'dp_shard=2' did not finish within 20 s"):
+            run_layout(None, "dp_shard=2", steps=100_000, out_dir=tmp_path, timeout=20)
+        assert _processes_naming(str(tmp_path)) == []
+    finally:
+        for pid in _processes_naming(str(tmp_path)):
+            os.kill(pid, signal.SIGKILL)
