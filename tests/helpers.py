@@ -41,13 +41,28 @@ def run_cli(args, nproc=1, timeout=600, cwd=None, env=None):
     environment. Returns CompletedProcess."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
     cmd = train_command(nproc, args)
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=cwd or REPO, env=env)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except BaseException:
-        kill_tree(proc)
-        raise
+    return run_tree(cmd, timeout, cwd=cwd or REPO, env=env)
+
+
+def run_tree(cmd: list, timeout: float, **popen_kw) -> subprocess.CompletedProcess:
+    """`subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)`, except
+    that a timeout kills every process below `cmd` too (`kill_tree`), torchrun's
+    workers included, which subprocess.run's kill of torchrun alone leaves running."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, **popen_kw)
+    ((out, err),) = communicate_all([proc], timeout)
     return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def communicate_all(procs: list[subprocess.Popen], timeout: float) -> list[tuple]:
+    """`communicate()` with each of `procs` in turn, `timeout` seconds each;
+    (stdout, stderr) per process. On a timeout or an interrupt every one of
+    them is killed with all its descendants (`kill_tree`), then it re-raises."""
+    try:
+        return [p.communicate(timeout=timeout) for p in procs]
+    except BaseException:
+        for p in procs:
+            kill_tree(p)
+        raise
 
 
 def kill_tree(proc: subprocess.Popen) -> None:

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import REPO, fault_env, kill_tree, run_cli
+from tests.helpers import REPO, communicate_all, fault_env, kill_tree, run_cli
 from trainlib.checkpoint import complete_steps, incomplete_folders
 from trainlib.errors import EXIT_HUNG, EXIT_PREEMPTED
 
@@ -190,15 +190,7 @@ def _torchrun(folder: Path, launcher: list[str], fault: str, nproc_layout: dict,
 
 
 def _finish(procs, timeout=600):
-    outs = []
-    for p in procs:
-        try:
-            out, _ = p.communicate(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                kill_tree(q)
-            raise
-        outs.append((p.returncode, out))
+    outs = [(p.returncode, out) for p, (out, _) in zip(procs, communicate_all(procs, timeout))]
     for rc, out in outs:
         assert rc == 0, out[-4000:]
     return outs

@@ -6,7 +6,7 @@ import shutil
 import subprocess
 import sys
 
-from tests.helpers import RECIPES, REPO
+from tests.helpers import RECIPES, REPO, run_tree
 
 
 def test_non_editable_install_runs_recipes_by_name_from_any_folder(tmp_path):
@@ -32,9 +32,8 @@ def test_non_editable_install_runs_recipes_by_name_from_any_folder(tmp_path):
     assert out == [str(site / "trainlib" / "__init__.py"), str(site / "trainlib" / "recipes" / "llama3_70b.toml"),
                    "llama3.1_70b", "8192"]
     # And a run through torchrun, as typed, with the recipe named rather than pathed.
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
-                          "-m", "trainlib.train", "--recipe", "debug.toml", "--training.steps=2",
-                          f"--job.dump_folder={tmp_path / 'run'}"],
-                         cwd=elsewhere, env=env, capture_output=True, text=True, timeout=300)
+    run = run_tree([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=1",
+                    "-m", "trainlib.train", "--recipe", "debug.toml", "--training.steps=2",
+                    f"--job.dump_folder={tmp_path / 'run'}"], 300, cwd=elsewhere, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2

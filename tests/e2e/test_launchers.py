@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import RECIPES, REPO, run_cli
+from tests.helpers import RECIPES, REPO, communicate_all, run_cli, run_tree
 from trainlib.checkpoint import complete_steps
 
 SBATCH = REPO / "scripts" / "slurm.sbatch"
@@ -73,7 +73,7 @@ def test_two_nodes_on_localhost_form_one_job(tmp_path):
             "--training.steps=4", "--metrics.log_freq=1", f"--job.dump_folder={tmp_path}"]
     nodes = [subprocess.Popen(args, env=env, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for _ in range(2)]
-    outs = [n.communicate(timeout=300)[0] for n in nodes]
+    outs = [out for out, _ in communicate_all(nodes, 300)]
     assert [n.returncode for n in nodes] == [0, 0], "\n".join(o[-2000:] for o in outs)
     assert any("world 2 on cpu" in o and "dp_shard=2" in o for o in outs)
     steps = [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
@@ -104,7 +104,7 @@ def _slurm_job(tmp_path, submit_dir, args, popen=False, **env):
     cmd = ["bash", str(spool / "slurm_script"), *args]
     if popen:
         return subprocess.Popen(cmd, cwd=submit_dir, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    return subprocess.run(cmd, cwd=submit_dir, env=env, capture_output=True, text=True, timeout=300)
+    return run_tree(cmd, 300, cwd=submit_dir, env=env)
 
 
 def _records(run_dir) -> list[dict]:
@@ -133,7 +133,7 @@ def test_slurm_batch_script_trains_is_preempted_and_requeued(tmp_path):
     while len(_records(run_dir)) < 3 and job.poll() is None and time.time() < deadline:
         time.sleep(0.1)
     job.send_signal(signal.SIGUSR1)  # what SLURM sends before the time limit
-    out, err = job.communicate(timeout=300)
+    ((out, err),) = communicate_all([job], 300)
     stopped = _records(run_dir)[-1]["step"]
     assert (tmp_path / "scontrol.log").read_text() == "requeue 4242\n", out[-2000:] + err[-3000:]
     assert "world 2 on cpu" in out and "dp_shard=2" in out  # both "nodes" joined one job

@@ -10,13 +10,12 @@ large shapes.
 import json
 import math
 import os
-import subprocess
 import sys
 
 import pytest
 
 from tests.e2e.test_compile import compiled_graphs
-from tests.helpers import RECIPES, REPO, fault_env, needs_cuda, run_cli
+from tests.helpers import RECIPES, REPO, fault_env, needs_cuda, run_cli, run_tree
 from trainlib.checkpoint import complete_steps
 from trainlib.parity import run_parity
 
@@ -100,8 +99,8 @@ def test_nccl_one_rank_paths(tmp_path, launch):
         if launch == "plain":
             proc = run_cli(args)
         else:
-            proc = subprocess.run([*torchrun, "-m", "trainlib.train", *args], capture_output=True, text=True,
-                                  check=False, cwd=REPO, timeout=600, env={**os.environ, "PYTHONPATH": str(REPO)})
+            proc = run_tree([*torchrun, "-m", "trainlib.train", *args], 600, cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
         assert proc.returncode == 0, (proc.stdout + proc.stderr)[-3000:]
         curves[name] = _losses(folder)
     # Offload moves memory, not arithmetic; only the optimizer's kernels differ (CPU foreach, GPU fused).
