@@ -93,6 +93,17 @@ def test_wrapped_model_inits_like_plain_model():
     assert set(get_model_state_dict(wrapped)) == set(plain.state_dict())
 
 
+@pytest.mark.parametrize("mode,policy,line", [
+    ("selective_layer", "all_mm", "activation checkpointing selective_layer: blocks 0, 3 of 5"),
+    ("selective_op", "every_other_mm", "activation checkpointing selective_op (every_other_mm): blocks 0, 1, 2, 3, 4 of 5"),
+])
+def test_startup_line_names_the_wrapped_blocks(caplog, mode, policy, line):
+    model = Transformer(get_model_args("debug", n_layers=5), rope_len=64)
+    with caplog.at_level("INFO", logger="trainlib"):
+        apply_ac(model, mode, every_k=3, selective_op_policy=policy)
+    assert caplog.messages == [line]
+
+
 def test_unknown_mode_is_rejected():
     model = Transformer(ARGS, rope_len=64)
     with pytest.raises(ValueError, match="activation_checkpoint.mode 'ful'"):
@@ -103,7 +114,8 @@ def test_unknown_mode_is_rejected():
 
 class _RecomputedLinears(TorchDispatchMode):
     """Names of the linears whose forward matmul runs while active: x @ W.t(), told
-    apart from backward's grad @ W by the transposed (non-contiguous) weight view."""
+    apart from backward's grad @ W by the transposed (non-contiguous) weight view;
+    and "attention" for each forward attention kernel."""
 
     def __init__(self, model):
         super().__init__()
@@ -114,17 +126,20 @@ class _RecomputedLinears(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.mm.default and not args[1].is_contiguous():
             self.seen.append(self.names.get(args[1].data_ptr()))
+        name = func.overloadpacket.__name__
+        if name.startswith("_scaled_dot_product") and not name.endswith("_backward"):
+            self.seen.append("attention")
         return func(*args, **(kwargs or {}))
 
 
 @pytest.mark.parametrize("mode,policy,recomputed", [
-    ("selective_op", "all_mm", []),
+    ("selective_op", "all_mm", []),  # attention is saved too, whichever kernel runs it
     # TorchTitan's choice: every second matmul of a block, the cheaper half (w3, not w1 and w2).
     ("selective_op", "every_other_mm", ["attention.wk", "attention.wo", "feed_forward.w3"]),
     # Every matmul but the last: no backward needs w2's output (the residual add saves nothing),
     # and the recompute stops once it has what backward needs.
-    ("full", "all_mm", ["attention.wq", "attention.wk", "attention.wv", "attention.wo", "feed_forward.w1",
-                        "feed_forward.w3"]),
+    ("full", "all_mm", ["attention.wq", "attention.wk", "attention.wv", "attention", "attention.wo",
+                        "feed_forward.w1", "feed_forward.w3"]),
 ])
 def test_which_matmuls_backward_recomputes(mode, policy, recomputed):
     model = Transformer(get_model_args("debug", n_layers=1), rope_len=64)
