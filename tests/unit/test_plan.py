@@ -10,11 +10,13 @@ import torch
 from tests.helpers import RECIPES
 from trainlib.models.llama3 import Transformer, get_model_args
 from trainlib.parallel.ac import apply_ac
+from trainlib.parallel import pp as pp_lib
 from trainlib.plan import (
     GiB,
     block_activation_bytes_per_token,
     main,
     make_plan,
+    microbatches_in_flight,
     suggest,
 )
 
@@ -170,6 +172,59 @@ def test_torchtitan_published_memory_and_speed_row_by_row(name):
 @pytest.mark.parametrize("name", list(SLOW_PUBLISHED))
 def test_torchtitan_published_memory_and_speed_row_by_row_cp_and_128_gpus(name):
     _check_published(name, SLOW_PUBLISHED)
+
+
+def _torch_action_lists(schedule: str, pp: int, n_mb: int, per_rank: int) -> dict:
+    """Each rank's action list as torch's schedule class computes it (private
+    torch code, called on a stand-in for the schedule object: the lists depend
+    only on these numbers)."""
+    from types import SimpleNamespace
+
+    cls = pp_lib.SCHEDULES[schedule]
+    if schedule in pp_lib.SINGLE_STAGE_SCHEDULES:
+        return cls._get_pipeline_order(SimpleNamespace(_num_stages=pp, _n_microbatches=n_mb))
+    rounds = max(1, n_mb // pp)
+    me = SimpleNamespace(pp_group_size=pp, n_local_stages=per_rank, _stages=[None] * per_rank,
+                         num_stages=pp * per_rank, _n_microbatches=n_mb, number_of_rounds=rounds,
+                         microbatches_per_round=n_mb // rounds)
+    return {rank: cls._calculate_single_rank_operations(me, rank) for rank in range(pp)}
+
+
+def _most_held(actions) -> int:
+    """Most forwards not yet freed by their full backward or weight-gradient step,
+    counting the forward of an overlapped forward+backward before its backward."""
+    from torch.distributed.pipelining.schedules import _ComputationType as T
+
+    held = most = 0
+    for action in filter(None, actions):
+        parts = action.sub_actions if action.computation_type == T.OVERLAP_F_B else (action,)
+        held += sum(p.computation_type == T.FORWARD for p in parts)
+        most = max(most, held)
+        held -= sum(p.computation_type in (T.FULL_BACKWARD, T.BACKWARD_WEIGHT) for p in parts)
+    return most
+
+
+@pytest.mark.parametrize("schedule", list(pp_lib.SCHEDULES))
+def test_microbatches_in_flight_replay_torchs_schedules(schedule):
+    """The activation sets a pipeline rank holds at its peak, as the planner
+    counts them, against torch's own order of forwards and backwards: every
+    rank, 2 to 8 stages, every micro-batch count the job accepts. (The counts
+    once assumed Interleaved1F1B's warm-up for the zero-bubble and V schedules:
+    the last ranks held up to 1.8x more than planned.)"""
+    needed = "_get_pipeline_order" if schedule in pp_lib.SINGLE_STAGE_SCHEDULES else "_calculate_single_rank_operations"
+    if not hasattr(pp_lib.SCHEDULES[schedule], needed):
+        pytest.skip(f"this torch's {pp_lib.SCHEDULES[schedule].__name__} has no {needed}")
+    for pp in (2, 3, 4, 8):
+        for n_mb in range(1, 4 * pp + 1):
+            for per_rank in (1,) if schedule in pp_lib.SINGLE_STAGE_SCHEDULES else \
+                    (2,) if schedule in pp_lib.V_SCHEDULES else (2, 3):
+                if schedule in ("1F1B", "DualPipeV") and n_mb < pp:
+                    continue  # refused by the job (trainlib.config.validate)
+                if schedule in ("Interleaved1F1B", "InterleavedZeroBubble") and n_mb % max(1, n_mb // pp):
+                    continue  # likewise: not a whole number of rounds
+                torch_order = _torch_action_lists(schedule, pp, n_mb, per_rank)
+                assert [microbatches_in_flight(schedule, pp, r, n_mb, per_rank) for r in range(pp)] == \
+                    [_most_held(torch_order[r]) for r in range(pp)], (pp, n_mb, per_rank)
 
 
 def test_pipeline_ranks_are_read_from_the_build():

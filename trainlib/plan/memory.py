@@ -87,18 +87,37 @@ def layer_bytes(args, layer_ids: list[int], tokens: float, *, tp, sp, elem, ac) 
 
 
 def microbatches_in_flight(schedule: str, pp: int, pp_rank: int, n_mb: int, per_rank: int) -> float:
-    """How many (micro-batch x stage) activation sets the busiest moment of
-    this pipeline rank holds, in units of one of its stages. GPipe and
-    LoopedBFS run every forward before any backward; 1F1B holds pp - rank;
-    interleaved/zero-bubble schedules hold their warm-up count
-    2*(pp - rank - 1) + (v - 1)*pp + 1 chunks (Megatron's count)."""
+    """The most (micro-batch x stage) activation sets this pipeline rank holds
+    at once, in units of one of its stages: forwards whose backward has not yet
+    freed them, counted on the order torch's schedule runs (the unit test
+    replays torch's own action lists). Zero-bubble schedules free a forward's
+    activations only at its weight-gradient step (W): a linear's input, most
+    of what a block saves, is what W needs.
+
+    GPipe, LoopedBFS: every forward before any backward. 1F1B: pp - rank.
+    Interleaved1F1B: its warm-up, 2 per hop to the last rank plus (v - 1)
+    rounds of micro-batches, and the one forward before each backward.
+    InterleavedZeroBubble: one per hop, held on every rank until W.
+    ZBVZeroBubble, DualPipeV: both of a rank's stages (V placement) hold up to
+    pp micro-batches each; DualPipeV one more where its two halves overlap."""
     if pp == 1:
         return 1
+    per_round = n_mb // max(1, n_mb // pp)  # torch's micro-batches per round of interleaved schedules
     if schedule in ("GPipe", "LoopedBFS"):
-        return n_mb * per_rank
-    if schedule == "1F1B":
-        return min(n_mb, pp - pp_rank)
-    return min(n_mb * per_rank, 2 * (pp - pp_rank - 1) + (per_rank - 1) * pp + 1)
+        held = n_mb * per_rank
+    elif schedule == "1F1B":
+        held = pp - pp_rank
+    elif schedule == "Interleaved1F1B":
+        held = 2 * (pp - pp_rank - 1) + (per_rank - 1) * per_round + 1
+    elif schedule == "InterleavedZeroBubble":
+        held = (per_rank - 1) * per_round + pp
+    elif schedule == "ZBVZeroBubble":
+        held = min(per_rank * pp, n_mb + 1 + pp_rank)
+    elif schedule == "DualPipeV":
+        held = per_rank * pp + (n_mb + pp_rank >= 2 * pp)
+    else:
+        raise ValueError(f"no in-flight count for pipeline schedule '{schedule}'")
+    return min(n_mb * per_rank, held)
 
 
 # ---- one pipeline rank -------------------------------------------------------------------------------------------
