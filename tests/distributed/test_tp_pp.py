@@ -67,11 +67,21 @@ def _check_tp_layouts(model, ref, par):
     """Sequence and loss parallelism change only where activations live (the same
     logits either way), so the loss curves cannot tell whether the keys were applied."""
     from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor.debug import CommDebugMode
 
     seen = {}
     model.layers["0"].attention_norm.register_forward_hook(lambda mod, args, out: seen.update(norm=out))
     tokens = torch.randint(0, ref.args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    logits = model(tokens)
+    with CommDebugMode() as comms:
+        logits = model(tokens)
+    # Megatron's count: one collective per half-block (under SP a gather before it, a reduce-scatter after),
+    # one for the embedding, and one gather of the sequence (SP) and of the vocabulary (no loss parallel) at
+    # the output. A gather per matmul (wq, wk, wv, w1, w3) would train the same, with 2.5x the gathers.
+    half_blocks = 2 * len(model.layers)
+    sp, lp = par.tp_sequence_parallel, par.tp_loss_parallel
+    want = {("reduce_scatter_tensor" if sp else "all_reduce"): half_blocks + 1,
+            "all_gather_into_tensor": (half_blocks + 1 if sp else 0) + (0 if lp else 1)}
+    assert {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()} == want
     norm = seen["norm"]
     if par.tp_sequence_parallel:
         assert isinstance(norm, DTensor) and norm.placements == (Shard(1),), norm
