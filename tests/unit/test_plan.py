@@ -55,12 +55,15 @@ def test_activation_estimate_equals_saved_tensors(mode, dtype):
     assert measured - est == weight_copies, (est, measured)
 
 
-def test_plan_activations_equal_a_whole_model_forward():
+@pytest.mark.parametrize("mode", ["none", "selective_layer"])  # selective_layer: blocks 0 and 2 full, 1 and 3 none
+def test_plan_activations_equal_a_whole_model_forward(mode):
     """The planner's whole-stage activation figure (blocks, token ids, final norm,
     output input) against one measured forward of the debug model, fp32."""
-    plan = make_plan(DEBUG, 1, overrides=["training.global_batch_size=4", "training.seq_len=128"])
+    plan = make_plan(DEBUG, 1, overrides=["training.global_batch_size=4", "training.seq_len=128",
+                                          f"activation_checkpoint.mode={mode}", "activation_checkpoint.every_k=2"])
     args = get_model_args("debug")
     model = Transformer(args, rope_len=128)
+    apply_ac(model, mode, every_k=2)
     seen = {}
     skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {model.rope.untyped_storage().data_ptr()}
 
@@ -242,6 +245,29 @@ def test_pipeline_ranks_are_read_from_the_build():
     assert [s.stages for s in make_plan(DEBUG, 2, overrides=interleaved).stages] == [[0, 2], [1, 3]]
     one_each = make_plan(DEBUG, 2, overrides=[*interleaved, "parallelism.pp_stages_per_rank=1"])
     assert [s.stages for s in one_each.stages] == [[0], [1]]
+
+
+def test_memory_categories_are_zero_where_they_do_not_apply():
+    (one,) = make_plan(DEBUG, 1).stages  # one fp32 rank: no FSDP, no pipeline, no AC
+    assert one.memory["fsdp_unsharded"] == one.memory["pp_buffers"] == one.memory["recompute"] == 0
+    first, last = make_plan(DEBUG, 2, overrides=["parallelism.pp=2"]).stages
+    assert first.memory["logits_loss"] == 0 < last.memory["logits_loss"]  # only the output's stage has a loss
+    assert first.memory["pp_buffers"] > 0 and first.memory["fsdp_unsharded"] == 0
+
+
+def test_chunked_loss_is_planned_without_whole_logits():
+    """Whole logits cost 12 bytes per token and vocabulary entry (fp32 log-probs, their
+    gradient, the logits' gradient), so they grow with the sequence; the chunked loss
+    holds that for one chunk and the output weight's fp32 gradient sum, whatever the sequence."""
+    def logits_loss(seq, *extra):
+        over = ["model.vocab_size=128256", f"training.seq_len={seq}", "training.global_batch_size=2",
+                "loss.chunk_tokens=1024", *extra]
+        return make_plan(DEBUG, 1, overrides=over).stages[0].memory["logits_loss"]
+
+    dim = get_model_args("debug").dim
+    assert logits_loss(4096, "loss.chunked=false") == 12 * 8192 * 128256  # 11.7 GiB: issue 11's CPU case
+    assert logits_loss(8192, "loss.chunked=false") == 2 * 12 * 8192 * 128256
+    assert logits_loss(4096) == logits_loss(8192) == 12 * 1024 * 128256 + 4 * 128256 * dim  # 1.6 GiB
 
 
 def test_gpu_memory_sets_the_warning():
