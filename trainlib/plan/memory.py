@@ -25,7 +25,7 @@ def state_bytes(model_parts: list[nn.Module]) -> dict[str, int]:
     storage dtype (fp32 under FSDP mixed precision: the sharded master
     weights); AdamW keeps exp_avg and exp_avg_sq like each parameter plus a
     4-byte fp32 `step` tensor per parameter."""
-    params = grads = opt = n_local = 0
+    params = grads = opt = 0
     seen = set()
     for part in model_parts:
         for p in part.parameters():
@@ -37,8 +37,7 @@ def state_bytes(model_parts: list[nn.Module]) -> dict[str, int]:
             params += b
             grads += b if p.requires_grad else 0
             opt += 2 * b + 4
-            n_local += loc.numel()
-    return {"params": params, "grads": grads, "optimizer": opt, "param_numel": n_local}
+    return {"params": params, "grads": grads, "optimizer": opt}
 
 
 # ---- activations -----------------------------------------------------------------------------------------------------
