@@ -270,6 +270,26 @@ def test_chunked_loss_is_planned_without_whole_logits():
     assert logits_loss(4096) == logits_loss(8192) == 12 * 1024 * 128256 + 4 * 128256 * dim  # 1.6 GiB
 
 
+@pytest.mark.parametrize("ac,label", [
+    ([], "none"),
+    (["activation_checkpoint.mode=selective_op", "activation_checkpoint.selective_op_policy=every_other_mm"],
+     "selective_op(every_other_mm)"),
+    (["activation_checkpoint.mode=selective_layer", "activation_checkpoint.every_k=3"], "selective_layer(every_k=3)"),
+])
+def test_plan_names_the_ac_policy(ac, label):
+    assert make_plan(DEBUG, 1, overrides=ac).ac == label
+
+
+def test_plan_refuses_to_run_inside_a_job(monkeypatch):
+    # It starts a fake process group of its own and destroys it after: a real job's group would go with it.
+    from trainlib.plan import core
+
+    monkeypatch.setattr(core, "_BUILT", {})  # no cached build: the planner must build
+    monkeypatch.setattr(core.dist, "is_initialized", lambda: True)
+    with pytest.raises(RuntimeError, match="needs a process without a process group"):
+        make_plan(DEBUG, 1)
+
+
 def test_gpu_memory_sets_the_warning():
     over = ["activation_checkpoint.mode=selective_op"]  # ~100 GiB per GPU
     assert not make_plan(str(RECIPES / "llama3_8b.toml"), 8, "h100", over).fits
