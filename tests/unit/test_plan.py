@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from tests.helpers import RECIPES
+from trainlib.config import ConfigError
 from trainlib.models.llama3 import Transformer, get_model_args
 from trainlib.parallel.ac import apply_ac
 from trainlib.parallel import pp as pp_lib
@@ -288,6 +289,35 @@ def test_plan_refuses_to_run_inside_a_job(monkeypatch):
     monkeypatch.setattr(core.dist, "is_initialized", lambda: True)
     with pytest.raises(RuntimeError, match="needs a process without a process group"):
         make_plan(DEBUG, 1)
+
+
+@pytest.mark.parametrize("world,layout,lines", [
+    (1, [], {}),
+    # FSDP over 4 (fp32): all-gathers forward and again backward, 3/4 of the parameters each; one reduce-scatter.
+    (4, ["dp_shard=4"], {"fsdp_all_gather": 2 * 0.75 * 4, "fsdp_reduce_scatter": 0.75 * 4}),
+    # HSDP 2 x 2: half as much per rank inside the shard group, and the shard's gradient all-reduced across.
+    (4, ["dp_replicate=2", "dp_shard=2"],
+     {"fsdp_all_gather": 2 * 0.5 * 4, "fsdp_reduce_scatter": 0.5 * 4, "dp_replicate_all_reduce": 2 * 0.5 * 4 / 2}),
+    (2, ["tp=2"], {"tp": None}), (2, ["pp=2"], {"pp_p2p": None}),
+    (2, ["cp=2"], {"fsdp_all_gather": 2 * 0.5 * 4, "fsdp_reduce_scatter": 0.5 * 4, "cp_kv": None}),  # FSDP over cp
+])
+def test_communication_lines_follow_the_layout(world, layout, lines):
+    """Each axis adds its own traffic line and no other; FSDP's and HSDP's in bytes
+    per parameter (the ring's (n - 1) / n of each collective)."""
+    plan = make_plan(DEBUG, world, overrides=[f"parallelism.{x}" for x in layout])
+    assert set(plan.comm_bytes) == set(lines)
+    for line, per_param in lines.items():
+        assert plan.comm_bytes[line] > 0
+        if per_param is not None:
+            assert plan.comm_bytes[line] == per_param * plan.n_params, line
+
+
+def test_unknown_gpu_and_float8_are_said():
+    with pytest.raises(ConfigError, match="--gpu 'h300' is unknown; valid: .*h100"):
+        make_plan(DEBUG, 1, gpu="h300")
+    assert not any("float8" in w for w in make_plan(DEBUG, 1).warnings)
+    plan = make_plan(str(RECIPES / "llama3_8b.toml"), 8, overrides=["float8.enable=true"])
+    assert any(w.startswith("float8: ") and "modelled as bf16" in w for w in plan.warnings), plan.warnings
 
 
 def test_gpu_memory_sets_the_warning():
