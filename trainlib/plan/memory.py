@@ -96,7 +96,8 @@ def microbatches_in_flight(schedule: str, pp: int, pp_rank: int, n_mb: int, per_
     GPipe, LoopedBFS: every forward before any backward. 1F1B: pp - rank.
     Interleaved1F1B: its warm-up, 2 per hop to the last rank plus (v - 1)
     rounds of micro-batches, and the one forward before each backward.
-    InterleavedZeroBubble: one per hop, held on every rank until W.
+    InterleavedZeroBubble: a warm-up of one per hop plus (v - 1) rounds, and as
+    W comes late, every rank ends up holding rank 0's count.
     ZBVZeroBubble, DualPipeV: both of a rank's stages (V placement) hold up to
     pp micro-batches each; DualPipeV one more where its two halves overlap."""
     if pp == 1:
