@@ -40,8 +40,7 @@ def run_cli(args, nproc=1, timeout=600, cwd=None, env=None):
     """Run the real CLI (torchrun for nproc > 1), with `env` added to the
     environment. Returns CompletedProcess."""
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO), **(env or {})}
-    cmd = train_command(nproc, args)
-    return run_tree(cmd, timeout, cwd=cwd or REPO, env=env)
+    return run_tree(train_command(nproc, args), timeout, cwd=cwd or REPO, env=env)
 
 
 def run_tree(cmd: list, timeout: float, **popen_kw) -> subprocess.CompletedProcess:

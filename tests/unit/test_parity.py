@@ -14,16 +14,21 @@ def test_parse_layout():
     assert "--parallelism.tp=1" in args
 
 
+def _run_layouts_as(curves: dict, monkeypatch) -> None:
+    """Each layout's run gives `curves[layout]` (losses, grad norms), as its metrics.jsonl would; nothing runs."""
+    monkeypatch.setattr(parity, "run_layout",
+                        lambda recipe, spec, *a, **k: LayoutRun(spec or "single", 2, *curves[spec]))
+
+
 def test_each_layout_is_compared_step_by_step_with_the_baseline(monkeypatch, tmp_path):
-    curves = {  # layout -> (losses, grad norms), as the runs' metrics.jsonl would give them
+    curves = {  # layout -> (losses, grad norms)
         "": ([4.0, 2.0, 1.0], [10.0, 5.0, 2.0]),
         "dp_shard=2": ([4.0, 2.0, 1.0], [10.0, 5.0, 2.0]),
         "tp=2": ([4.0, 2.02, 1.0], [10.0, 5.0, 2.5]),  # 1% off in loss at step 2, 25% in grad norm at step 3
         "pp=2": ([4.0, 2.0], [10.0, 5.0]),  # a run that stopped early
         "cp=2": ([4.0, float("nan"), 1.0], [10.0, 5.0, 2.0]),
     }
-    monkeypatch.setattr(parity, "run_layout", lambda recipe, spec, *a, **k: LayoutRun(spec or "single", 2,
-                                                                                      *curves[spec]))
+    _run_layouts_as(curves, monkeypatch)
     report = run_parity(None, ["dp_shard=2", "tp=2", "pp=2", "cp=2"], steps=3, out_dir=tmp_path)
     got = {r.name: (r.max_rel_loss, r.max_rel_grad_norm) for r in report.runs}
     assert got["dp_shard=2"] == (0.0, 0.0)
@@ -34,9 +39,7 @@ def test_each_layout_is_compared_step_by_step_with_the_baseline(monkeypatch, tmp
 
 
 def test_cli_fails_a_layout_past_the_tolerance(monkeypatch, capsys):
-    curves = {"": [4.0, 2.0], "tp=2": [4.0, 2.0002]}  # 1e-4 off at step 2
-    monkeypatch.setattr(parity, "run_layout", lambda recipe, spec, *a, **k: LayoutRun(spec or "single", 2,
-                                                                                      curves[spec], [1.0, 1.0]))
+    _run_layouts_as({"": ([4.0, 2.0], [1.0, 1.0]), "tp=2": ([4.0, 2.0002], [1.0, 1.0])}, monkeypatch)  # 1e-4 off
     assert parity.main(["--layouts", "tp=2", "--steps", "2"]) == 1
     assert "FAIL: max relative loss deviation 1.00e-04 (tolerance 1e-05)" in capsys.readouterr().out
     assert parity.main(["--layouts", "tp=2", "--steps", "2", "--tol", "1e-3"]) == 0
