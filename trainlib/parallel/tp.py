@@ -77,15 +77,15 @@ def apply_tp(
             "feed_forward.w1": ColwiseParallel(),
             "feed_forward.w3": ColwiseParallel(),
             "feed_forward.w2": RowwiseParallel(output_layouts=act),
+            # One replicated input per sub-block, shared by its column-wise matmuls: under SP the
+            # sequence is all-gathered once (not at each of wq, wk, wv / w1, w3), and in backward the
+            # matmuls' partial input gradients are summed locally, then reduced once (a reduce-scatter
+            # under SP, an all-reduce without: not one per matmul). The rope table and the attention
+            # mask (2nd and 3rd arguments of attention) are plain, whole-sequence values.
+            "attention": PrepareModuleInput(input_layouts=(act, None, None),
+                                            desired_input_layouts=(Replicate(), None, None)),
+            "feed_forward": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
         }
-        if sequence_parallel:
-            # All-gather the sequence once per sub-block, before its first matmul.
-            # The rope table and the attention mask (2nd and 3rd arguments of
-            # attention) are plain, whole-sequence values.
-            plan["attention"] = PrepareModuleInput(input_layouts=(Shard(1), None, None),
-                                                   desired_input_layouts=(Replicate(), None, None))
-            plan["feed_forward"] = PrepareModuleInput(input_layouts=(Shard(1),),
-                                                      desired_input_layouts=(Replicate(),))
         parallelize_module(block, tp_mesh, plan)
 
     if async_tp:

@@ -17,19 +17,18 @@ def ring_bytes(n: int, payload: float) -> float:
 
 
 def comm_bytes(s: StepShape, *, n_params: int, fsdp_degree: int, dp_replicate: int, grad_accum: int,
-               layers_rank: int, ac) -> dict[str, float]:
-    """Bytes sent per rank per step. `layers_rank`: blocks on the busiest pipeline rank.
+               ranks: list[tuple[int, bool, bool]], ac) -> dict[str, float]:
+    """Bytes sent per rank per step, on the busiest pipeline rank. `ranks`: (blocks, has the embedding,
+    has the output) of each pipeline rank.
 
     FSDP all-gathers the compute-dtype (tp-sharded) parameters forward and again
     backward when resharding, per micro-step without PP; reduce-scatters the
     gradients in the reduce dtype (once per step under PP). HSDP all-reduces the
-    gradient shard over dp_replicate. TP: per block 4 collectives of the
-    [micro-batch, seq, dim] activation forward (SP all-gather/reduce-scatter, or
-    twice as many bytes as all-reduces), the same backward, plus the forward
-    again when AC recomputes it. PP: one activation and one gradient per
+    gradient shard over dp_replicate. TP: `tp_bytes`. PP: one activation and one gradient per
     micro-batch per stage. CP: the K/V all-gather, its recompute and the
     reduce-scatter of K/V gradients."""
     a, tp, pp, cp = s.args, s.tp, s.pp, s.cp
+    layers_rank = max(blocks for blocks, _, _ in ranks)
     root_params = n_params - a.n_layers * s.block_params
     rank_params_tp = (s.block_params * layers_rank + root_params / pp) / tp  # unsharded by FSDP
     comm: dict[str, float] = {}
@@ -43,10 +42,7 @@ def comm_bytes(s: StepShape, *, n_params: int, fsdp_degree: int, dp_replicate: i
         comm["dp_replicate_all_reduce"] = 2 * ring_bytes(dp_replicate, s.reduce_elem * shard)
     mbs_per_step = grad_accum * s.n_microbatches
     if tp > 1:
-        act = s.elem * s.mb_tokens * a.dim
-        per_block = 4 * ring_bytes(tp, act) * (1 if s.sp else 2)
-        recompute = {"none": 0, "full": 1, "selective_layer": 1 / ac.every_k, "selective_op": 0.5}[ac.mode]
-        comm["tp"] = per_block * (2 + recompute) * layers_rank * mbs_per_step
+        comm["tp"] = max(tp_bytes(s, ac, *rank) for rank in ranks) * mbs_per_step
     if pp > 1:
         act = s.elem * s.mb_tokens * a.dim / (tp if s.sp else 1)
         comm["pp_p2p"] = 2 * act * s.stages_per_rank * mbs_per_step  # activations forward, gradients backward
@@ -54,6 +50,24 @@ def comm_bytes(s: StepShape, *, n_params: int, fsdp_degree: int, dp_replicate: i
         kv = 2 * s.elem * s.mb_tokens * a.n_kv_heads * a.head_dim / tp  # this rank's K and V
         comm["cp_kv"] = 3 * (cp - 1) * kv * layers_rank * mbs_per_step
     return comm
+
+
+def tp_bytes(s: StepShape, ac, blocks: int, has_embedding: bool, has_output: bool) -> float:
+    """Bytes one pipeline rank sends over `tp` per micro-batch, in units of a ring collective of the
+    [micro-batch, seq, dim] activation (an all-reduce is two: a reduce-scatter and an all-gather).
+
+    Per sub-block (attention, feed-forward) forward: under SP an all-gather before it and a reduce-scatter
+    after, without SP one all-reduce: 2 units either way, so 4 per block; as many backward; the forward's
+    again where AC recomputes it. The embedding's output reduction and the output projection's input (SP's
+    gather, or the all-reduce of its input gradient) are 2 units each, forward and backward together.
+    Without loss parallelism the [tokens, vocab] logits are all-gathered as well."""
+    a = s.args
+    unit = ring_bytes(s.tp, s.elem * s.mb_tokens * a.dim)
+    recompute = {"none": 0, "full": 1, "selective_layer": 1 / ac.every_k, "selective_op": 0.5}[ac.mode]
+    sent = 4 * unit * (2 + recompute) * blocks + 2 * unit * (has_embedding + has_output)
+    if has_output and not s.loss_parallel:
+        sent += ring_bytes(s.tp, s.elem * s.mb_tokens * a.vocab_size)
+    return sent
 
 
 def comm_seconds(comm: dict[str, float], intra_node: dict[str, bool], hw: GPU, assumptions: dict) -> dict[str, float]:
