@@ -5,6 +5,7 @@ import gc
 import importlib.util
 import json
 import pickle
+import weakref
 
 import pytest
 import torch
@@ -12,7 +13,7 @@ import torch
 import trainlib.train as train_module
 from tests.helpers import REPO
 from trainlib.config import ConfigError, load_job_config
-from trainlib.profiling import Profiler, ProfilingConfig
+from trainlib.profiling import MEMORY_HISTORY_ENTRIES, GarbageCollection, Profiler, ProfilingConfig
 from trainlib.train import train
 
 
@@ -59,17 +60,38 @@ def test_memory_snapshot_on_cpu_is_a_one_line_error(tmp_path):
         train(_cfg(tmp_path, "--training.steps=1", "--profiling.enable_memory_snapshot=true"))
 
 
-def test_memory_snapshot_step_and_folder_without_cuda(tmp_path, monkeypatch):
-    # The allocator's recording calls stubbed: where and when the Profiler dumps needs no CUDA.
-    dumps = []
-    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda *a, **kw: None)
-    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", dumps.append)
-    cfg = ProfilingConfig(enable_memory_snapshot=True, memory_snapshot_step=3, save_memory_snapshot_folder="snaps")
+@pytest.mark.parametrize("enable", [True, False])
+def test_memory_snapshot_step_and_folder_without_cuda(tmp_path, monkeypatch, enable):
+    # The allocator's calls stubbed: when the Profiler records, where and when it dumps needs no CUDA.
+    dumps, recording = [], []
+    monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: recording.append(kw))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: (open(path, "wb"), dumps.append(path)))
+    cfg = ProfilingConfig(enable_memory_snapshot=enable, memory_snapshot_step=3, save_memory_snapshot_folder="snaps")
     profiler = Profiler(cfg, tmp_path, 0, torch.device("cpu"), start_step=0)
     for step in (1, 2, 3, 4):
         profiler.step(step)
+    profiler.dump_memory("oom_step5")  # what the loop does when a step runs out of memory
     profiler.close()
-    assert dumps == [str(tmp_path / "snaps" / "rank0_step3.pickle")]
+    if not enable:
+        assert dumps == recording == []
+        return
+    assert dumps == [str(tmp_path / "snaps" / name) for name in ("rank0_step3.pickle", "rank0_oom_step5.pickle")]
+    assert recording == [{"max_entries": MEMORY_HISTORY_ENTRIES}, {"enabled": None}]  # from setup to the end
+
+
+def test_a_window_cut_short_by_the_end_of_training_is_written(tmp_path):
+    train(_cfg(tmp_path, "--training.steps=2", "--profiling.enable_profiling=true", "--profiling.profile_freq=5",
+               "--profiling.profile_warmup=0", "--profiling.profile_active=5"))
+    # ProfilerStep#2: from the last step's end to the profiler's close.
+    assert _profiler_steps(tmp_path / "profile_traces/step-2/rank0_trace.json") == [0, 1, 2]
+
+
+@pytest.mark.parametrize("key,value,low", [("profile_freq", 0, 1), ("profile_warmup", -1, 0),
+                                           ("profile_active", 0, 1), ("profile_windows", -1, 0),
+                                           ("memory_snapshot_step", 0, 1)])
+def test_profiling_counts_below_their_minimum_are_refused(key, value, low):
+    with pytest.raises(ConfigError, match=rf"^profiling.{key} must be >= {low}, got {value}$"):
+        ProfilingConfig(**{key: value})
 
 
 @pytest.mark.gpu
@@ -116,6 +138,20 @@ def test_gc_is_off_during_training_with_a_collection_every_gc_freq_steps(tmp_pat
     assert seen == [(False, True)] * 6
     assert collections[:3] == [1, 3, 5]  # before steps 2, 4, 6 (then train's own cleanup)
     assert gc.isenabled() and gc.get_freeze_count() == INTERPRETER_FROZEN  # restored
+
+
+def test_gc_collects_setup_garbage_before_freezing_the_heap():
+    class Node:
+        pass
+
+    cycle = Node()
+    cycle.self, probe = cycle, weakref.ref(cycle)
+    del cycle  # garbage only a collection frees; frozen uncollected, it would live for the whole run
+    collector = GarbageCollection(gc_freq=5)
+    try:
+        assert probe() is None
+    finally:
+        collector.close()
 
 
 def test_gc_freq_0_leaves_python_collection_automatic(tmp_path, monkeypatch):
