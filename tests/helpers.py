@@ -19,6 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainlib.launch import train_command
 
@@ -183,6 +184,36 @@ def spawn(fn, world, *args, timeout=300):
             errs = sorted(f for f in os.listdir(tmp) if f.endswith(".err"))
             detail = open(os.path.join(tmp, errs[0])).read() if errs else ""
             raise AssertionError(f"{e}\n{detail}") from None
+
+
+class BytesSent(TorchDispatchMode):
+    """The collectives this rank runs while active (`counts`: "all_gather", "reduce_scatter", "all_reduce")
+    and the bytes it sends in them (`bytes`), as ring algorithms over `n` ranks send them: the traced
+    functional ops (TP's redistributions) and the in-place c10d ones (FSDP's, CP's). Not seen: what DTensor
+    runs inside an operator's own dispatch (loss parallelism's reductions of per-token scalars).
+    `keep(input tensor)` selects which collectives count."""
+
+    # op name: (kind, index of the input tensor, bytes sent per input byte over n ranks)
+    OPS = {
+        ("_c10d_functional", "all_gather_into_tensor"): ("all_gather", 0, lambda n: n - 1),  # input: the shard
+        ("_c10d_functional", "reduce_scatter_tensor"): ("reduce_scatter", 0, lambda n: (n - 1) / n),
+        ("_c10d_functional", "all_reduce"): ("all_reduce", 0, lambda n: 2 * (n - 1) / n),
+        ("c10d", "_allgather_base_"): ("all_gather", 1, lambda n: n - 1),  # (output, input)
+        ("c10d", "_reduce_scatter_base_"): ("reduce_scatter", 1, lambda n: (n - 1) / n),
+    }
+
+    def __init__(self, n: int, keep=lambda t: True):
+        super().__init__()
+        self.n, self.keep = n, keep
+        self.counts, self.bytes = {}, 0.0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        known = self.OPS.get((func.namespace, func.__name__.split(".")[0]))
+        if known is not None and self.keep(args[known[1]]):
+            kind, i, per_byte = known
+            self.counts[kind] = self.counts.get(kind, 0) + 1
+            self.bytes += args[i].numel() * args[i].element_size() * per_byte(self.n)
+        return func(*args, **(kwargs or {}))
 
 
 def doc_ids_from_starts(starts: list[list[int]], seq_len: int):

@@ -1,11 +1,11 @@
 """Context parallel: layout helpers, attention vs plain SDPA on gloo ranks, config errors, parity."""
 
-
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import spawn
+from tests.helpers import RECIPES, BytesSent, spawn
 from trainlib.parallel.cp import shard_sequence
 
 
@@ -153,6 +153,35 @@ def _contiguous_layout_reaches_model_and_batches(rank, world):
         torch.testing.assert_close(model(mb["input"]), ref(tokens)[:, mine], rtol=1e-5, atol=1e-5)
 
 
+def _cp_bytes_are_planned(rank, world):
+    """Per block, the K/V all-gather (again when AC reruns the block) and the reduce-scatter of their
+    gradients: a real step's cp collectives and the bytes each rank sends in them are the planner's."""
+    from trainlib.build import build_model_parts
+    from trainlib.config import load_job_config
+    from trainlib.parallel import ParallelDims, init_model_weights
+    from trainlib.parallel.cp import local_micro_batches
+    from trainlib.plan.comm import cp_bytes
+
+    tokens = torch.randint(0, 512, (1, 65), generator=torch.Generator().manual_seed(0))
+    layout = ["--parallelism.cp=2", "--parallelism.dp_shard=2"]
+    dims = ParallelDims.from_config(load_job_config(str(RECIPES / "debug.toml"), layout).parallelism, world)
+    dims.build_mesh("cpu")
+    for mode, recomputed in (("none", 0), ("full", 4), ("selective_op", 4), ("selective_layer", 2)):
+        cfg = load_job_config(str(RECIPES / "debug.toml"), [*layout, f"--activation_checkpoint.mode={mode}"])
+        built = build_model_parts(cfg, dims, torch.device("cpu"))
+        (model,) = built.parts
+        init_model_weights(model, 0, "cpu")
+        (mb,) = local_micro_batches([{"input": tokens[:, :-1], "labels": tokens[:, 1:]}], dims.mesh("cp"),
+                                    load_balance=True, document_mask=False, device=torch.device("cpu"))
+        # FSDP shards over dp_shard x cp too: its collectives move flat parameter buffers, CP's [.., seq, head_dim].
+        with BytesSent(2, keep=lambda t: t.dim() > 1) as sent:
+            built.loss_fn(model(mb["input"]), mb["labels"]).backward()
+        blocks = built.model_args.n_layers
+        assert sent.counts == {"all_gather": blocks + recomputed, "reduce_scatter": blocks}, (mode, sent.counts)
+        shape = SimpleNamespace(args=built.model_args, tp=1, cp=2, elem=4, mb_tokens=mb["input"].numel())
+        assert sent.bytes == cp_bytes(shape, cfg.activation_checkpoint, blocks), (mode, sent.bytes)
+
+
 def _cp_checks(rank, world, cases_by_cp, document_cases_by_cp):
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -160,12 +189,14 @@ def _cp_checks(rank, world, cases_by_cp, document_cases_by_cp):
     _document_attention_matches_reference(rank, world, document_cases_by_cp)
     _model_matches_single_device(rank, world, init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)))
     _contiguous_layout_reaches_model_and_batches(rank, world)
+    _cp_bytes_are_planned(rank, world)
 
 
 def test_attention_and_grads_match_sdpa():
     """Output and dq/dk/dv equal plain causal SDPA (float64) for several
     lengths, degrees, GQA ratios and both layouts; under a document mask they
-    equal per-document causal attention; then the whole model, both masks."""
+    equal per-document causal attention; then the whole model, both masks; and
+    the collectives of a cp=2 step are what the planner counts."""
     spawn(_cp_checks, 4, {
         2: [(8, 4, 2, True), (32, 4, 4, True), (48, 6, 2, True), (24, 4, 2, False), (64, 2, 1, False)],
         4: [(16, 4, 2, True), (40, 4, 1, False), (64, 4, 4, True)],

@@ -1,15 +1,12 @@
 """Tensor and pipeline parallelism: stage split, config rules, init, and loss-curve parity."""
 
-import collections
 import dataclasses
 from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
 
-from tests.helpers import spawn
+from tests.helpers import BytesSent, spawn
 from trainlib.errors import ConfigError
 from trainlib.models.llama3 import Transformer, get_model_args, parallelize_llama
 from trainlib.parallel import ParallelDims
@@ -74,35 +71,31 @@ def _check_tp_layouts(model, ref, par):
     """Sequence and loss parallelism change only where activations live (the same
     logits either way), so the loss curves cannot tell whether the keys were applied."""
     from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.debug import CommDebugMode
 
     seen = {}
     model.layers["0"].attention_norm.register_forward_hook(lambda mod, args, out: seen.update(norm=out))
     tokens = torch.randint(0, ref.args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
-    sent = _BytesSent()
-    with sent:
-        with CommDebugMode() as comms:
-            logits = model(tokens)
-        forward = {str(op).split(".")[-1]: n for op, n in comms.get_comm_counts().items()}
-        with loss_context(par.tp_loss_parallel):
-            torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
+    with BytesSent(2) as forward:
+        logits = model(tokens)
+    with BytesSent(2) as backward, loss_context(par.tp_loss_parallel):
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), tokens.flatten()).backward()
     # Megatron's count: one collective per half-block (under SP a gather before it, a reduce-scatter after),
     # one for the embedding, and one gather of the sequence (SP) and of the vocabulary (no loss parallel) at
     # the output. A gather per matmul (wq, wk, wv, w1, w3) would train the same, with 2.5x the gathers.
     half_blocks = 2 * len(model.layers)
     sp, lp = par.tp_sequence_parallel, par.tp_loss_parallel
-    want = {("reduce_scatter_tensor" if sp else "all_reduce"): half_blocks + 1,
-            "all_gather_into_tensor": (half_blocks + 1 if sp else 0) + (0 if lp else 1)}
-    assert forward == want
+    gathers = (half_blocks + 1 if sp else 0) + (0 if lp else 1)
+    assert forward.counts == {("reduce_scatter" if sp else "all_reduce"): half_blocks + 1,
+                              **({"all_gather": gathers} if gathers else {})}, forward.counts
     # Backward mirrors it, and without SP too one all-reduce per half-block: the column-wise matmuls'
     # input gradients are summed before it (once one per matmul: 5 per block instead of 2).
-    backward = {op: sent.counts[op] - forward.get(op, 0) for op in sent.counts}
-    assert backward == {"reduce_scatter_tensor": half_blocks + 1, "all_gather_into_tensor": half_blocks + 1} if sp \
-        else {"all_reduce": half_blocks + 1, "all_gather_into_tensor": 0}, backward
+    assert backward.counts == ({"reduce_scatter": half_blocks + 1, "all_gather": half_blocks + 1} if sp
+                               else {"all_reduce": half_blocks + 1}), backward.counts
     # The planner's TP bytes for this micro-batch are what the ranks sent.
     shape = SimpleNamespace(args=ref.args, tp=2, elem=4, mb_tokens=tokens.numel(), loss_parallel=lp)
-    planned = tp_bytes(shape, ActivationCheckpointConfig(mode="none"), len(model.layers), has_embedding=True, has_output=True)
-    assert sent.bytes == planned, (sent.bytes, planned)
+    planned = tp_bytes(shape, ActivationCheckpointConfig(mode="none"), len(model.layers), has_embedding=True,
+                       has_output=True)
+    assert forward.bytes + backward.bytes == planned, (forward.bytes, backward.bytes, planned)
     norm = seen["norm"]
     if par.tp_sequence_parallel:
         assert isinstance(norm, DTensor) and norm.placements == (Shard(1),), norm
@@ -116,28 +109,6 @@ def _check_tp_layouts(model, ref, par):
     else:
         assert not isinstance(logits, DTensor), logits
     torch.testing.assert_close(logits, ref(tokens))
-
-
-class _BytesSent(TorchDispatchMode):
-    """Collectives by name and the bytes this rank sends in them (ring algorithms)."""
-
-    def __init__(self):
-        super().__init__()
-        self.counts, self.bytes = collections.Counter(), 0.0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        name = func.__name__.split(".")[0]
-        if func.namespace == "_c10d_functional" and name in self.RING_UNITS:
-            n, size = dist.get_world_size(), args[0].numel() * args[0].element_size()
-            self.counts[name] += 1
-            self.bytes += size * self.RING_UNITS[name](n)
-        return func(*args, **(kwargs or {}))
-
-    RING_UNITS = {  # of the collective's input, per rank of n
-        "all_gather_into_tensor": lambda n: n - 1,  # the input is this rank's shard
-        "reduce_scatter_tensor": lambda n: (n - 1) / n,
-        "all_reduce": lambda n: 2 * (n - 1) / n,
-    }
 
 
 def _check_tp_async_refused_on_cpu(dims, par):

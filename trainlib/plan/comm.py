@@ -25,8 +25,7 @@ def comm_bytes(s: StepShape, *, n_params: int, fsdp_degree: int, dp_replicate: i
     backward when resharding, per micro-step without PP; reduce-scatters the
     gradients in the reduce dtype (once per step under PP). HSDP all-reduces the
     gradient shard over dp_replicate. TP: `tp_bytes`. PP: one activation and one gradient per
-    micro-batch per stage. CP: the K/V all-gather, its recompute and the
-    reduce-scatter of K/V gradients."""
+    micro-batch per stage. CP: `cp_bytes`."""
     a, tp, pp, cp = s.args, s.tp, s.pp, s.cp
     layers_rank = max(blocks for blocks, _, _ in ranks)
     root_params = n_params - a.n_layers * s.block_params
@@ -47,8 +46,7 @@ def comm_bytes(s: StepShape, *, n_params: int, fsdp_degree: int, dp_replicate: i
         act = s.elem * s.mb_tokens * a.dim / (tp if s.sp else 1)
         comm["pp_p2p"] = 2 * act * s.stages_per_rank * mbs_per_step  # activations forward, gradients backward
     if cp > 1:
-        kv = 2 * s.elem * s.mb_tokens * a.n_kv_heads * a.head_dim / tp  # this rank's K and V
-        comm["cp_kv"] = 3 * (cp - 1) * kv * layers_rank * mbs_per_step
+        comm["cp_kv"] = cp_bytes(s, ac, layers_rank) * mbs_per_step
     return comm
 
 
@@ -68,6 +66,16 @@ def tp_bytes(s: StepShape, ac, blocks: int, has_embedding: bool, has_output: boo
     if has_output and not s.loss_parallel:
         sent += ring_bytes(s.tp, s.elem * s.mb_tokens * a.vocab_size)
     return sent
+
+
+def cp_bytes(s: StepShape, ac, blocks: int) -> float:
+    """Bytes one rank sends over `cp` per micro-batch: per block the all-gather of this rank's K and V
+    (again where AC recomputes the block: every AC mode reruns it, selective_op included) and the
+    reduce-scatter of their gradients, (cp - 1) times the local K and V each."""
+    a = s.args
+    kv = 2 * s.elem * s.mb_tokens * a.n_kv_heads * a.head_dim / s.tp  # this rank's K and V
+    recompute = {"none": 0, "full": 1, "selective_layer": 1 / ac.every_k, "selective_op": 1}[ac.mode]
+    return (2 + recompute) * (s.cp - 1) * kv * blocks
 
 
 def comm_seconds(comm: dict[str, float], intra_node: dict[str, bool], hw: GPU, assumptions: dict) -> dict[str, float]:
