@@ -129,3 +129,37 @@ def test_parity_plot_shows_each_layout_and_its_relative_deviation_on_a_log_axis(
     assert [p.name for p in written] == ["parity.html", "parity.png"]
     page = written[0].read_text()
     assert "dp_shard=2" in page and "tp=2" in page and "3.00e-07" in page
+    assert [s.label for s in legend] == ["single (baseline)", "dp_shard=2 (max 3.0e-07)", "tp=2 (max 0.0e+00)",
+                                         "tolerance 1e-05"]
+
+
+def test_runs_of_the_same_folder_name_are_named_by_their_paths(tmp_path):
+    dirs = [write_run(tmp_path / where / "run", [record(1, 5.0), record(2, loss)])
+            for where, loss in (("x", 4.0), ("y", 3.0))]
+    page = report([str(d) for d in dirs], tmp_path / "r")[0].read_text()
+    assert f"trainlib: {dirs[0]}, {dirs[1]}" in page  # the title; the table and legend name them the same way
+    assert f"<td>{dirs[1]}</td>" in page
+
+
+def test_blank_lines_in_metrics_are_skipped(tmp_path):
+    folder = tmp_path / "run"
+    folder.mkdir()
+    (folder / "metrics.jsonl").write_text(json.dumps(record(1, 5.0)) + "\n\n" + json.dumps(record(2, 4.0)) + "\n")
+    assert [r["loss"] for r in load_run(folder).records] == [5.0, 4.0]
+
+
+@pytest.mark.parametrize("value,text", [(2_500_000, "2.5M"), (-12_345, "-12.3k"), (9_999, "9999"), (3.14159, "3.142"),
+                                        (0.001234, "1.2e-03"), (0.0, "0")])
+def test_numbers_on_the_page_are_short(value, text):
+    from trainlib.report import _fmt
+
+    assert _fmt(value) == text
+
+
+def test_a_field_no_run_logged_is_drawn_as_no_data(tmp_path):
+    from trainlib.report import html_page
+
+    folder = write_run(tmp_path / "run", [{"step": s, "loss": 5.0 - s} for s in (1, 2)])  # no other field
+    panels, legend = training_panels([load_run(folder)])
+    page = html_page(panels, legend, "t", [["run"], ["run"]])
+    assert page.count(">no data</text>") == len(panels) - 1  # all but the loss
