@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers import BytesSent, spawn
+from tests.helpers import RECIPES, BytesSent, spawn
 from trainlib.errors import ConfigError
 from trainlib.models.llama3 import Transformer, get_model_args, parallelize_llama
 from trainlib.parallel import ParallelDims
@@ -20,6 +20,36 @@ from trainlib.plan.comm import tp_bytes
 def _check_init(rank, world, layouts):
     for layout in layouts:
         _check_init_one(world, layout)
+    _check_pp_sends(world)
+
+
+def _check_pp_sends(world):
+    """Each stage sends its activation forward and its input gradient backward where the neighbouring
+    stage is on the other rank: what the ranks send is what the planner counts (`pp_sends`)."""
+    from trainlib.build import build_model_parts
+    from trainlib.config import load_job_config
+    from trainlib.parallel import init_model_weights
+    from trainlib.plan.comm import pp_sends
+
+    dims = ParallelDims(world_size=world, dp_shard=1, pp=2)
+    dims.build_mesh("cpu")
+    tokens = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(0))
+    batch = {"input": tokens[:, :-1], "labels": tokens[:, 1:]}
+    for schedule, sends in (("1F1B", 1), ("Interleaved1F1B", 3), ("ZBVZeroBubble", 2)):
+        cfg = load_job_config(str(RECIPES / "debug.toml"), ["--parallelism.pp=2", "--parallelism.dp_shard=1",
+                                                             f"--parallelism.pp_schedule={schedule}"])
+        built = build_model_parts(cfg, dims, torch.device("cpu"))
+        for part in built.parts:
+            init_model_weights(part, 0, "cpu")
+        pipeline = built.pipeline
+        pipeline.step([batch], torch.tensor(128.0), torch.device("cpu"))  # the first step also sends shapes
+        with BytesSent(2) as sent:
+            pipeline.step([batch], torch.tensor(128.0), torch.device("cpu"))
+        n_mb = pipeline.schedule._n_microbatches
+        assert pp_sends(pipeline.owners) == sends, schedule
+        assert sent.counts == {"send": sends * n_mb}, (schedule, sent.counts)
+        act = 4 * tokens[:, :-1].numel() / n_mb * built.model_args.dim  # one micro-batch's fp32 hidden states
+        assert sent.bytes == sends * n_mb * act, (schedule, sent.bytes)
 
 
 def _check_init_one(world, layout):

@@ -312,6 +312,17 @@ def test_communication_lines_follow_the_layout(world, layout, lines):
             assert plan.comm_bytes[line] == per_param * plan.n_params, line
 
 
+@pytest.mark.parametrize("schedule,sends", [("1F1B", 1), ("Interleaved1F1B", 3), ("ZBVZeroBubble", 2)])
+def test_pipeline_traffic_is_the_sends_of_the_busiest_rank(schedule, sends):
+    """pp=2: one activation or gradient per micro-batch on either rank under 1F1B; 3 with two stages per rank
+    in a loop (stage 0 has no gradient to send); 2 in a V (its middle stages share rank 1). The sends
+    themselves are counted on real ranks in tests/distributed/test_tp_pp.py."""
+    plan = make_plan(DEBUG, 2, overrides=["parallelism.pp=2", "parallelism.dp_shard=1",
+                                          f"parallelism.pp_schedule={schedule}"])
+    act = 4 * plan.microbatch * plan.seq_len * 64  # one micro-batch's fp32 hidden states (debug: dim 64)
+    assert plan.comm_bytes["pp_p2p"] == sends * act * plan.pp_microbatches * plan.grad_accum
+
+
 def test_unknown_gpu_and_float8_are_said():
     with pytest.raises(ConfigError, match="--gpu 'h300' is unknown; valid: .*h100"):
         make_plan(DEBUG, 1, gpu="h300")

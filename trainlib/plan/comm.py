@@ -17,15 +17,15 @@ def ring_bytes(n: int, payload: float) -> float:
 
 
 def comm_bytes(s: StepShape, *, n_params: int, fsdp_degree: int, dp_replicate: int, grad_accum: int,
-               ranks: list[tuple[int, bool, bool]], ac) -> dict[str, float]:
+               ranks: list[tuple[int, bool, bool]], stage_owners: list[int], ac) -> dict[str, float]:
     """Bytes sent per rank per step, on the busiest pipeline rank. `ranks`: (blocks, has the embedding,
-    has the output) of each pipeline rank.
+    has the output) of each pipeline rank; `stage_owners`: the pipeline rank of each stage.
 
     FSDP all-gathers the compute-dtype (tp-sharded) parameters forward and again
     backward when resharding, per micro-step without PP; reduce-scatters the
     gradients in the reduce dtype (once per step under PP). HSDP all-reduces the
-    gradient shard over dp_replicate. TP: `tp_bytes`. PP: one activation and one gradient per
-    micro-batch per stage. CP: `cp_bytes`."""
+    gradient shard over dp_replicate. TP: `tp_bytes`. PP: `pp_sends` activations or gradients
+    per micro-batch. CP: `cp_bytes`."""
     a, tp, pp, cp = s.args, s.tp, s.pp, s.cp
     layers_rank = max(blocks for blocks, _, _ in ranks)
     root_params = n_params - a.n_layers * s.block_params
@@ -44,7 +44,7 @@ def comm_bytes(s: StepShape, *, n_params: int, fsdp_degree: int, dp_replicate: i
         comm["tp"] = max(tp_bytes(s, ac, *rank) for rank in ranks) * mbs_per_step
     if pp > 1:
         act = s.elem * s.mb_tokens * a.dim / (tp if s.sp else 1)
-        comm["pp_p2p"] = 2 * act * s.stages_per_rank * mbs_per_step  # activations forward, gradients backward
+        comm["pp_p2p"] = act * pp_sends(stage_owners) * mbs_per_step
     if cp > 1:
         comm["cp_kv"] = cp_bytes(s, ac, layers_rank) * mbs_per_step
     return comm
@@ -66,6 +66,18 @@ def tp_bytes(s: StepShape, ac, blocks: int, has_embedding: bool, has_output: boo
     if has_output and not s.loss_parallel:
         sent += ring_bytes(s.tp, s.elem * s.mb_tokens * a.vocab_size)
     return sent
+
+
+def pp_sends(stage_owners: list[int]) -> int:
+    """Sends per micro-batch of the pipeline rank that sends most: each stage sends its activation to the
+    next stage and its input gradient to the previous one, where that stage is on another rank (the first
+    stage has no gradient to send, the last no activation; a V schedule's two middle stages share a rank)."""
+    last = len(stage_owners) - 1
+    sends = [0] * (max(stage_owners) + 1)
+    for stage, rank in enumerate(stage_owners):
+        sends[rank] += stage < last and stage_owners[stage + 1] != rank  # the activation, forward
+        sends[rank] += stage > 0 and stage_owners[stage - 1] != rank  # the input gradient, backward
+    return max(sends)
 
 
 def cp_bytes(s: StepShape, ac, blocks: int) -> float:

@@ -223,7 +223,9 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
 
     intra = axis_intra_node(b.groups, A["gpus_per_node"])
     comm = comm_bytes(s, n_params=b.n_params, fsdp_degree=len(b.groups["fsdp"][0]), dp_replicate=dims.dp_replicate,
-                      grad_accum=grad_accum, ranks=[(len(r.layers), r.has_embedding, r.has_output) for r in b.ranks], ac=ac)
+                      grad_accum=grad_accum, ranks=[(len(r.layers), r.has_embedding, r.has_output) for r in b.ranks],
+                      stage_owners=[owner for _, owner in sorted((st, r.pp_rank) for r in b.ranks for st in r.stage_ids)],
+                      ac=ac)
     comm_s = comm_seconds(comm, intra, hw, A)
     tokens_step = t.global_batch_size * t.seq_len
     bubble = (dims.pp - 1) / (b.n_microbatches * b.stages_per_rank) if dims.pp_enabled else 0.0
