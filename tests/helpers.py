@@ -188,7 +188,7 @@ def spawn(fn, world, *args, timeout=300):
 
 class BytesSent(TorchDispatchMode):
     """The collectives this rank runs while active (`counts`: "all_gather", "reduce_scatter", "all_reduce", "send")
-    and the bytes it sends in them (`bytes`), as ring algorithms over `n` ranks send them: the traced
+    and the bytes it sends in them (`bytes`; by kind in `bytes_by_kind`), as ring algorithms over `n` ranks send them: the traced
     functional ops (TP's redistributions), the in-place c10d ones (FSDP's, CP's) and point-to-point
     sends (PP's). Not seen: what DTensor
     runs inside an operator's own dispatch (loss parallelism's reductions of per-token scalars).
@@ -201,13 +201,18 @@ class BytesSent(TorchDispatchMode):
         ("_c10d_functional", "all_reduce"): ("all_reduce", 0, lambda n: 2 * (n - 1) / n),
         ("c10d", "_allgather_base_"): ("all_gather", 1, lambda n: n - 1),  # (output, input)
         ("c10d", "_reduce_scatter_base_"): ("reduce_scatter", 1, lambda n: (n - 1) / n),
+        ("c10d", "allreduce_"): ("all_reduce", 0, lambda n: 2 * (n - 1) / n),  # ([tensor], ...): HSDP
         ("c10d", "send"): ("send", 0, lambda n: 1),  # ([tensor], ...): pipeline stages
     }
 
     def __init__(self, n: int, keep=lambda t: True):
         super().__init__()
         self.n, self.keep = n, keep
-        self.counts, self.bytes = {}, 0.0
+        self.counts, self.bytes_by_kind = {}, {}
+
+    @property
+    def bytes(self) -> float:
+        return sum(self.bytes_by_kind.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         known = self.OPS.get((func.namespace, func.__name__.split(".")[0]))
@@ -216,7 +221,7 @@ class BytesSent(TorchDispatchMode):
             t = args[i][0] if isinstance(args[i], (list, tuple)) else args[i]
             if self.keep(t):
                 self.counts[kind] = self.counts.get(kind, 0) + 1
-                self.bytes += t.numel() * t.element_size() * per_byte(self.n)
+                self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0.0) + t.numel() * t.element_size() * per_byte(self.n)
         return func(*args, **(kwargs or {}))
 
 

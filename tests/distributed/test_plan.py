@@ -1,11 +1,11 @@
-"""The planner's exact state bytes against the tensors of a real run on gloo ranks."""
+"""The planner's exact state bytes and FSDP traffic against the tensors and collectives of a real run on gloo ranks."""
 
 import json
 
 import pytest
 import torch
 
-from tests.helpers import RECIPES, spawn
+from tests.helpers import RECIPES, BytesSent, spawn
 from trainlib.plan import make_plan
 
 DEBUG = str(RECIPES / "debug.toml")
@@ -37,12 +37,15 @@ def _real_state(rank, world, out_dir, overrides):
     micro = [next(job.loader) for _ in range(job.grad_accum)]
     n = sum(count_targets(mb["labels"]) for mb in micro).to(torch.float32)
     dist.all_reduce(n, group=job.dims.mesh("dp").get_group())
-    forward_backward(job, micro, n)
+    forward_backward(job, micro, n)  # the first step of a pipeline also runs its stages' shape inference
+    # FSDP's traffic in the step after: its collectives move flat buffers (TP's, CP's and PP's are [.., dim]).
+    with BytesSent(2, keep=lambda t: t.dim() == 1) as sent:
+        forward_backward(job, micro, n)
     params = list({id(p): p for m in job.model_parts for p in m.parameters()}.values())
     job.optimizer.step()
     got = {"params": _allocated(params), "grads": _allocated(p.grad for p in params),
            "optimizer": _allocated(v for s in job.optimizer.state.values() for v in s.values()),
-           "pp_rank": job.dims.mesh("pp").get_local_rank()}
+           "pp_rank": job.dims.mesh("pp").get_local_rank(), "sent": sent.bytes_by_kind}
     with open(f"{out_dir}/rank{rank}.json", "w") as f:
         json.dump(got, f)
 
@@ -56,11 +59,27 @@ def _check_state(tmp_path, world, overrides):
         assert {k: got[k] for k in ("params", "grads", "optimizer")} == \
             {k: want[k] for k in ("params", "grads", "optimizer")}, f"rank {r}"
         assert got["params"] > 0 and got["optimizer"] > 2 * got["params"]
+    # FSDP's and HSDP's traffic: the busiest rank sends what the planner says (dp_shard and dp_replicate are
+    # 2 in these layouts, as BytesSent counts the ring). Under TP the norm weights are replicated: FSDP moves
+    # them whole where the planner divides every parameter by tp (0.2% of the debug model's bytes, 1e-5 of
+    # an 8B model's), and TP all-reduces their gradients (flat too; not planned).
+    tp = "--parallelism.tp=2" in overrides
+    planned = {FSDP_KIND[line]: v for line, v in plan.comm_bytes.items() if line in FSDP_KIND}
+    sent = [json.loads((tmp_path / f"rank{r}.json").read_text())["sent"] for r in range(world)]
+    assert {kind for s in sent for kind in s} - ({"all_reduce"} if tp else set()) == set(planned), (sent, planned)
+    for kind, v in planned.items():
+        got = max(s[kind] for s in sent)
+        assert got == v if not tp else v < got < 1.005 * v, (kind, sent, planned)
+
+
+FSDP_KIND = {"fsdp_all_gather": "all_gather", "fsdp_reduce_scatter": "reduce_scatter",
+             "dp_replicate_all_reduce": "all_reduce"}
 
 
 def test_state_bytes_equal_a_real_fsdp_run(tmp_path):
-    # bf16 mixed precision: FSDP keeps fp32 sharded parameters, gradients and AdamW state.
-    _check_state(tmp_path, 2, ["--training.mixed_precision_param=bfloat16"])
+    # bf16 mixed precision: FSDP keeps fp32 sharded parameters, gradients and AdamW state, all-gathers bf16
+    # parameters and reduce-scatters fp32 gradients, here for each of two micro-batches.
+    _check_state(tmp_path, 2, ["--training.mixed_precision_param=bfloat16", "--training.local_batch_size=4"])
 
 
 @pytest.mark.slow

@@ -21,21 +21,23 @@ def comm_bytes(s: StepShape, *, n_params: int, fsdp_degree: int, dp_replicate: i
     """Bytes sent per rank per step, on the busiest pipeline rank. `ranks`: (blocks, has the embedding,
     has the output) of each pipeline rank; `stage_owners`: the pipeline rank of each stage.
 
-    FSDP all-gathers the compute-dtype (tp-sharded) parameters forward and again
+    FSDP all-gathers the compute-dtype (tp-sharded) parameters forward and the blocks' again
     backward when resharding, per micro-step without PP; reduce-scatters the
     gradients in the reduce dtype (once per step under PP). HSDP all-reduces the
     gradient shard over dp_replicate. TP: `tp_bytes`. PP: `pp_sends` activations or gradients
     per micro-batch. CP: `cp_bytes`."""
     a, tp, pp, cp = s.args, s.tp, s.pp, s.cp
     layers_rank = max(blocks for blocks, _, _ in ranks)
-    root_params = n_params - a.n_layers * s.block_params
-    rank_params_tp = (s.block_params * layers_rank + root_params / pp) / tp  # unsharded by FSDP
+    root_params_tp = (n_params - a.n_layers * s.block_params) / pp / tp
+    blocks_params_tp = s.block_params * layers_rank / tp
+    rank_params_tp = blocks_params_tp + root_params_tp  # unsharded by FSDP
     comm: dict[str, float] = {}
     if s.fsdp and fsdp_degree > 1:
-        gathers = (2 if s.reshard else 1) * (grad_accum if pp == 1 else 1)
-        comm["fsdp_all_gather"] = gathers * ring_bytes(fsdp_degree, s.elem * rank_params_tp)
-        scatters = grad_accum if pp == 1 else 1
-        comm["fsdp_reduce_scatter"] = scatters * ring_bytes(fsdp_degree, s.reduce_elem * rank_params_tp)
+        micro_steps = grad_accum if pp == 1 else 1  # under PP the stage gathers once for all its micro-batches
+        # The blocks are gathered again for backward where they reshard after forward; the root never reshards.
+        gathered = (2 if s.reshard else 1) * blocks_params_tp + root_params_tp
+        comm["fsdp_all_gather"] = micro_steps * ring_bytes(fsdp_degree, s.elem * gathered)
+        comm["fsdp_reduce_scatter"] = micro_steps * ring_bytes(fsdp_degree, s.reduce_elem * rank_params_tp)
     if dp_replicate > 1:
         shard = rank_params_tp / fsdp_degree
         comm["dp_replicate_all_reduce"] = 2 * ring_bytes(dp_replicate, s.reduce_elem * shard)
