@@ -163,3 +163,40 @@ def test_a_field_no_run_logged_is_drawn_as_no_data(tmp_path):
     panels, legend = training_panels([load_run(folder)])
     page = html_page(panels, legend, "t", [["run"], ["run"]])
     assert page.count(">no data</text>") == len(panels) - 1  # all but the loss
+
+
+def _svg(panel):
+    import xml.etree.ElementTree as ET
+
+    from trainlib.report import svg_panel
+
+    root = ET.fromstring(svg_panel(panel))
+    ns = "{http://www.w3.org/2000/svg}"
+    lines = [[tuple(map(float, p.split(","))) for p in e.get("points").split()] for e in root.iter(ns + "polyline")]
+    return root, ns, lines
+
+
+def test_the_page_draws_each_series_where_its_values_are():
+    from trainlib.report import Panel, Series
+
+    train = Series("train", "#111111", [1, 2, 3, 4], [9.0, 8.0, 7.0, 6.0])
+    val = Series("val", "#222222", [2, 4], [8.5, 6.5], dashed=True, markers=True)
+    root, ns, (t, v) = _svg(Panel("loss", "loss", [train, val]))
+    xs, ys = zip(*t)
+    assert xs == tuple(sorted(xs)) and ys == tuple(sorted(ys))  # later steps right; lower loss lower (larger y)
+    assert all(math.isclose(b - a, xs[1] - xs[0], abs_tol=0.2) for a, b in zip(xs, xs[1:]))  # linear in steps
+    assert math.isclose(v[0][0], t[1][0], abs_tol=0.1) and t[0][1] < v[0][1] < t[1][1]  # 8.5: between 9 and 8
+    polylines = list(root.iter(ns + "polyline"))
+    assert polylines[0].get("stroke-dasharray") is None and polylines[1].get("stroke-dasharray") == "6,4"
+    assert [c.find(ns + "title").text for c in root.iter(ns + "circle")] == ["val, step 2: 8.5", "val, step 4: 6.5"]
+    labels = [e.text for e in root.iter(ns + "text")]
+    assert "2" in labels and "3" in labels and "8" in labels  # step and loss ticks
+
+
+def test_a_log_panel_spaces_decades_equally_and_labels_them():
+    from trainlib.report import Panel, Series
+
+    root, ns, (line,) = _svg(Panel("dev", "rel", [Series("d", "#111111", [1, 2, 3], [1e-7, 1e-6, 1e-5])], logy=True))
+    (_, y1), (_, y2), (_, y3) = line
+    assert y1 > y2 > y3 and math.isclose(y1 - y2, y2 - y3, abs_tol=0.2)
+    assert {"1e-7", "1e-6", "1e-5"} <= {e.text for e in root.iter(ns + "text")}
