@@ -9,7 +9,7 @@ import torch
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from tests.helpers import build_on_one_rank
-from trainlib.config import load_job_config
+from trainlib.config import ConfigError, load_job_config
 from trainlib.optim import OptimizerConfig, build_optimizer, implementation_of, resolve_implementation
 from trainlib.parallel import ParallelDims
 from trainlib.train import train
@@ -130,3 +130,32 @@ def test_autocast_trains_close_to_fsdp_bf16_and_says_so(tmp_path, capsys):
         assert a["loss"] != f["loss"] and a["loss"] != f32["loss"]  # really another path, really bf16
         assert math.isclose(a["loss"], f["loss"], rel_tol=2e-3), (a["step"], a["loss"], f["loss"])
     assert autocast[-1]["loss"] < autocast[0]["loss"] - 0.5  # it learns
+
+
+@pytest.mark.parametrize("overrides,line", [
+    ([], "adamw foreach (auto) | float32 | loss chunked by 256 tokens (auto) | AC none | eager | no float8"),
+    (["--optimizer.implementation=for-loop", "--loss.chunked=false", "--activation_checkpoint.mode=selective_op",
+      "--activation_checkpoint.selective_op_policy=every_other_mm", "--compile.enable=true", "--compile.loss=true"],
+     "adamw for-loop | float32 | loss on whole logits | AC selective_op (every_other_mm) | compile blocks + loss | "
+     "no float8"),
+    (["--loss.chunk_tokens=64", "--activation_checkpoint.mode=full", "--compile.enable=true",
+      "--float8.enable=true", "--float8.emulate=true", "--float8.recipe=rowwise", "--float8.min_size=0"],
+     "adamw foreach (auto) | float32 | loss chunked by 64 tokens | AC full | compile blocks | float8 rowwise"),
+])
+def test_the_chosen_line_names_each_setting(monkeypatch, overrides, line):
+    from trainlib.build import describe_choices
+
+    monkeypatch.setattr("trainlib.parallel.compile.torch.compile", lambda fn, **kw: fn)  # named, not run
+    cfg = load_job_config(None, overrides)
+    built = build_on_one_rank(cfg)
+    impl = resolve_implementation(cfg.optimizer.implementation, [p for part in built.parts for p in part.parameters()])
+    assert describe_choices(cfg, built, impl) == "chosen: " + line
+
+
+def test_chunked_loss_refuses_a_float8_output_layer():
+    cfg = load_job_config(None, ["--float8.enable=true", "--float8.emulate=true", "--float8.filter_fqns=[]",
+                                 "--float8.min_size=0"])
+    with pytest.raises(ConfigError, match=r"^loss.chunked applies the output projection's weight .* the output layer "
+                                          r"is a Float8Linear \(float8.filter_fqns=\[\] does not exclude 'output'\); "
+                                          r"add 'output' to float8.filter_fqns or set loss.chunked=false$"):
+        build_on_one_rank(cfg)
