@@ -84,6 +84,6 @@ def test_state_bytes_equal_a_real_fsdp_run(tmp_path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", [["--parallelism.tp=2"], ["--parallelism.pp=2", "--parallelism.tp=2"],
-                                    ["--parallelism.dp_replicate=2"]])
+                                    ["--parallelism.dp_replicate=2"], ["--parallelism.pp=2"]])
 def test_state_bytes_equal_a_real_run_tp_pp(tmp_path, layout):
     _check_state(tmp_path, 4, layout + ["--training.mixed_precision_param=bfloat16"])

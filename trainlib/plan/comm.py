@@ -16,39 +16,39 @@ def ring_bytes(n: int, payload: float) -> float:
     return payload * (n - 1) / n if n > 1 else 0.0
 
 
-def comm_bytes(s: StepShape, *, n_params: int, fsdp_degree: int, dp_replicate: int, grad_accum: int,
-               ranks: list[tuple[int, bool, bool]], stage_owners: list[int], ac) -> dict[str, float]:
-    """Bytes sent per rank per step, on the busiest pipeline rank. `ranks`: (blocks, has the embedding,
-    has the output) of each pipeline rank; `stage_owners`: the pipeline rank of each stage.
+def comm_bytes(s: StepShape, *, fsdp_degree: int, dp_replicate: int, grad_accum: int, ranks: list,
+               ac) -> dict[str, float]:
+    """Bytes sent per rank per step: each line is the busiest pipeline rank's. `ranks`: what each pipeline
+    rank holds (`trainlib.plan.core.RankBuild`: its blocks, stages, root parameters, embedding, output).
 
-    FSDP all-gathers the compute-dtype (tp-sharded) parameters forward and the blocks' again
-    backward when resharding, per micro-step without PP; reduce-scatters the
-    gradients in the reduce dtype (once per step under PP). HSDP all-reduces the
-    gradient shard over dp_replicate. TP: `tp_bytes`. PP: `pp_sends` activations or gradients
-    per micro-batch. CP: `cp_bytes`."""
+    FSDP all-gathers the compute-dtype (tp-sharded) parameters forward and the blocks' again backward
+    when resharding (the root, embedding, final norm and output, never reshards), per micro-step without
+    PP (under PP a stage gathers once for all its micro-batches); it reduce-scatters the gradients in the
+    reduce dtype, as often. HSDP all-reduces the gradient shard over dp_replicate. TP: `tp_bytes`. PP:
+    `pp_sends` activations or gradients per micro-batch. CP: `cp_bytes`. The norm weights, replicated
+    under TP, are counted as if tp-sharded (1e-5 of an 8B model's parameters)."""
     a, tp, pp, cp = s.args, s.tp, s.pp, s.cp
-    layers_rank = max(blocks for blocks, _, _ in ranks)
-    root_params_tp = (n_params - a.n_layers * s.block_params) / pp / tp
-    blocks_params_tp = s.block_params * layers_rank / tp
-    rank_params_tp = blocks_params_tp + root_params_tp  # unsharded by FSDP
     comm: dict[str, float] = {}
+    micro_steps = grad_accum if pp == 1 else 1
     if s.fsdp and fsdp_degree > 1:
-        micro_steps = grad_accum if pp == 1 else 1  # under PP the stage gathers once for all its micro-batches
-        # The blocks are gathered again for backward where they reshard after forward; the root never reshards.
-        gathered = (2 if s.reshard else 1) * blocks_params_tp + root_params_tp
+        blocks = [s.block_params * len(r.layers) / tp for r in ranks]
+        roots = [r.root_params / tp for r in ranks]
+        gathered = max((2 if s.reshard else 1) * b + root for b, root in zip(blocks, roots))
         comm["fsdp_all_gather"] = micro_steps * ring_bytes(fsdp_degree, s.elem * gathered)
-        comm["fsdp_reduce_scatter"] = micro_steps * ring_bytes(fsdp_degree, s.reduce_elem * rank_params_tp)
+        held = max(b + root for b, root in zip(blocks, roots))
+        comm["fsdp_reduce_scatter"] = micro_steps * ring_bytes(fsdp_degree, s.reduce_elem * held)
     if dp_replicate > 1:
-        shard = rank_params_tp / fsdp_degree
-        comm["dp_replicate_all_reduce"] = 2 * ring_bytes(dp_replicate, s.reduce_elem * shard)
+        held = max(s.block_params * len(r.layers) + r.root_params for r in ranks) / tp
+        comm["dp_replicate_all_reduce"] = 2 * ring_bytes(dp_replicate, s.reduce_elem * held / fsdp_degree)
     mbs_per_step = grad_accum * s.n_microbatches
     if tp > 1:
-        comm["tp"] = max(tp_bytes(s, ac, *rank) for rank in ranks) * mbs_per_step
+        comm["tp"] = max(tp_bytes(s, ac, len(r.layers), r.has_embedding, r.has_output) for r in ranks) * mbs_per_step
     if pp > 1:
         act = s.elem * s.mb_tokens * a.dim / (tp if s.sp else 1)
-        comm["pp_p2p"] = act * pp_sends(stage_owners) * mbs_per_step
+        owners = [rank for _, rank in sorted((stage, r.pp_rank) for r in ranks for stage in r.stage_ids)]
+        comm["pp_p2p"] = act * pp_sends(owners) * mbs_per_step
     if cp > 1:
-        comm["cp_kv"] = cp_bytes(s, ac, layers_rank) * mbs_per_step
+        comm["cp_kv"] = cp_bytes(s, ac, max(len(r.layers) for r in ranks)) * mbs_per_step
     return comm
 
 

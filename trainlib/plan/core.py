@@ -73,6 +73,7 @@ class RankBuild:
     has_output: bool
     state: dict[str, int]  # state_bytes of its parts
     block_params: int  # parameters of one of its blocks, unsharded (global DTensor sizes); 0 without blocks
+    root_params: int  # its parameters outside the blocks (embedding, final norm, output), unsharded
 
 
 @dataclass
@@ -138,7 +139,9 @@ def _build_rank(cfg, world_size: int, rank: int) -> tuple[RankBuild, dict, list[
         rank_build = RankBuild(pp_rank, stage_ids, [int(i) for part in parts for i in part.layers],
                                any(part.tok_embeddings is not None for part in parts),
                                any(part.output is not None for part in parts), state_bytes(parts),
-                               sum(p.numel() for p in blocks[0].parameters()) if blocks else 0)
+                               sum(p.numel() for p in blocks[0].parameters()) if blocks else 0,
+                               sum(p.numel() for part in parts for name, p in part.named_parameters()
+                                   if not name.startswith("layers.")))
         return rank_build, facts, [int(r) for r in dims.mesh("pp").mesh.tolist()]
     finally:
         dist.destroy_process_group()
@@ -222,10 +225,8 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
                                 sum(mem.values())))
 
     intra = axis_intra_node(b.groups, A["gpus_per_node"])
-    comm = comm_bytes(s, n_params=b.n_params, fsdp_degree=len(b.groups["fsdp"][0]), dp_replicate=dims.dp_replicate,
-                      grad_accum=grad_accum, ranks=[(len(r.layers), r.has_embedding, r.has_output) for r in b.ranks],
-                      stage_owners=[owner for _, owner in sorted((st, r.pp_rank) for r in b.ranks for st in r.stage_ids)],
-                      ac=ac)
+    comm = comm_bytes(s, fsdp_degree=len(b.groups["fsdp"][0]), dp_replicate=dims.dp_replicate,
+                      grad_accum=grad_accum, ranks=b.ranks, ac=ac)
     comm_s = comm_seconds(comm, intra, hw, A)
     tokens_step = t.global_batch_size * t.seq_len
     bubble = (dims.pp - 1) / (b.n_microbatches * b.stages_per_rank) if dims.pp_enabled else 0.0
