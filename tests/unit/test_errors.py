@@ -183,3 +183,42 @@ def test_user_error_is_said_once_per_node_and_message_and_named_to_torchrun(caps
         monkeypatch.setenv("LOCAL_RANK", str(local_rank))
         report_user_error(ConfigError("x"))
         assert capsys.readouterr().err == said
+
+
+def _raised(exc):
+    try:
+        raise exc
+    except type(exc) as e:
+        return e
+
+
+def test_the_second_failing_rank_of_a_node_says_one_line_naming_its_file(capsys, tmp_path, monkeypatch):
+    from trainlib.errors import report_crash
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")  # two workers of one launch on this node
+    for rank in ("0", "1"):
+        monkeypatch.setenv("RANK", rank)
+        report_crash(_raised(RuntimeError(f"rank {rank} broke")), tmp_path)
+    *first, second = capsys.readouterr().err.splitlines()
+    assert first[0] == "[rank 0] Traceback (most recent call last):" and first[-1] == \
+        f"[rank 0] trainlib: internal error on rank 0 (also in {tmp_path}/errors/rank0.txt)"
+    assert second == (f"[rank 1] trainlib: rank 1 failed too: RuntimeError: rank 1 broke; traceback in "
+                      f"{tmp_path}/errors/rank1.txt")
+    assert "RuntimeError: rank 1 broke" in (tmp_path / "errors" / "rank1.txt").read_text()
+
+
+def test_a_crash_before_the_run_folder_exists_prints_its_whole_traceback(capsys, monkeypatch):
+    from trainlib.errors import report_crash
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    report_crash(_raised(RuntimeError("early")), None)
+    err = capsys.readouterr().err.splitlines()
+    assert err[0] == "[rank 0] Traceback (most recent call last):" and "[rank 0] RuntimeError: early" in err
+    assert err[-1] == "[rank 0] trainlib: internal error on rank 0"  # no file named
+
+
+def test_a_config_error_is_one_line_whatever_its_message():
+    from trainlib.errors import ConfigError
+
+    assert str(ConfigError("model.dim (7)\n   must be even;\r\n  set it to 8 ")) == \
+        "model.dim (7) must be even; set it to 8"
