@@ -37,9 +37,15 @@ def _cfg(folder, layout=None, validation=True):
 
 def _run(cfg):
     # train() without its process-group teardown, so one spawn runs every layout
+    from torch.distributed.tensor import DTensor
+
     job = setup(cfg, init_distributed(cfg.comm, cfg.job.device))
     try:
-        return train_loop(job)
+        records = train_loop(job)
+        if job.dims.dp_shard > 1:  # the last step's validation left FSDP's parameters sharded, as training does
+            unsharded = [n for part in job.model_parts for n, p in part.named_parameters() if not isinstance(p, DTensor)]
+            assert not unsharded, unsharded
+        return records
     finally:
         job.gc_handler.close()
         job.profiler.close()
