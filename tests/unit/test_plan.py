@@ -3,6 +3,7 @@ tensors, TorchTitan's published H100 memory row by row, the job's own errors,
 and the CLI. Exact state bytes against a real run: tests/distributed/test_plan.py."""
 
 import json
+import math
 
 import pytest
 import torch
@@ -322,6 +323,17 @@ def test_pipeline_traffic_is_the_sends_of_the_busiest_rank(schedule, sends):
                                           f"parallelism.pp_schedule={schedule}"])
     act = 4 * plan.microbatch * plan.seq_len * 64  # one micro-batch's fp32 hidden states (debug: dim 64)
     assert plan.comm_bytes["pp_p2p"] == sends * act * plan.pp_microbatches * plan.grad_accum
+
+
+@pytest.mark.parametrize("layout,bubble", [([], 0.0), (["pp=2", "pp_microbatches=4"], 1 / 4),
+                                           (["pp=2", "pp_microbatches=4", "pp_schedule=Interleaved1F1B"], 1 / 8)])
+def test_the_pipeline_bubble_stretches_the_compute(layout, bubble):
+    """(pp - 1) / (micro-batches x stages per rank) of idle time on top of the compute (the debug model
+    on an H100 is so small that its compute, not its traffic, bounds the step)."""
+    world = 2 if layout else 1
+    plan = make_plan(DEBUG, world, overrides=[f"parallelism.{x}" for x in ["dp_shard=1", *layout]])
+    assert plan.bubble_fraction == bubble
+    assert math.isclose(plan.step_seconds, plan.compute_seconds * (1 + bubble), rel_tol=1e-12)
 
 
 def test_unknown_gpu_and_float8_are_said():
