@@ -125,3 +125,13 @@ def test_auto_chunk_is_small_on_cpu_and_large_on_cuda_within_a_logits_bound():
     assert resolve_chunk_tokens(0, "cuda", 128256 // 8) == 2048
     assert resolve_chunk_tokens(0, "cuda", 262144) == 1024
     assert resolve_chunk_tokens(0, "cuda", 10**7) == 256  # never below the CPU size
+
+
+@pytest.mark.parametrize("loss_parallel,tokens", [(True, 2048), (False, 1024)])
+def test_auto_chunk_sizes_to_this_ranks_vocabulary_share(loss_parallel, tokens):
+    """Under TP loss parallelism a rank's chunk logits hold vocab / tp columns, so the chunk may be longer."""
+    from trainlib.build import loss_chunk_tokens
+    from trainlib.config import load_job_config
+
+    cfg = load_job_config(None, [f"--parallelism.tp_loss_parallel={str(loss_parallel).lower()}"])
+    assert loss_chunk_tokens(cfg, 262144, 2, "cuda") == tokens
