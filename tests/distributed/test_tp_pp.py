@@ -21,6 +21,33 @@ def _check_init(rank, world, layouts):
     for layout in layouts:
         _check_init_one(world, layout)
     _check_pp_sends(world)
+    _check_tp_bytes_under_ac(world)
+
+
+def _check_tp_bytes_under_ac(world):
+    """A block recomputed for backward reruns TP's collectives up to the last tensor backward needs: the
+    bytes a real tp=2 forward + backward sends under each AC mode are the planner's."""
+    from trainlib.build import build_model_parts
+    from trainlib.config import load_job_config
+    from trainlib.parallel import init_model_weights
+
+    dims = ParallelDims(world_size=world, dp_shard=1, tp=2)
+    dims.build_mesh("cpu")
+    tokens = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
+    for sp in (True, False):
+        for mode in ("full", "selective_op", "selective_layer"):
+            cfg = load_job_config(str(RECIPES / "debug.toml"), [
+                "--parallelism.tp=2", "--parallelism.dp_shard=1", f"--parallelism.tp_sequence_parallel={str(sp).lower()}",
+                f"--activation_checkpoint.mode={mode}", "--loss.chunked=false"])
+            built = build_model_parts(cfg, dims, torch.device("cpu"))
+            (model,) = built.parts
+            init_model_weights(model, 0, "cpu")
+            with BytesSent(2, keep=lambda t: t.dim() == 3) as sent, loss_context(True):  # activations, not weights
+                built.loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
+            shape = SimpleNamespace(args=built.model_args, tp=2, sp=sp, elem=4, mb_tokens=tokens[:, 1:].numel(),
+                                    loss_parallel=True)
+            planned = tp_bytes(shape, cfg.activation_checkpoint, built.model_args.n_layers, True, True)
+            assert sent.bytes == planned, (sp, mode, sent.counts, sent.bytes, planned)
 
 
 def _check_pp_sends(world):
@@ -122,7 +149,7 @@ def _check_tp_layouts(model, ref, par):
     assert backward.counts == ({"reduce_scatter": half_blocks + 1, "all_gather": half_blocks + 1} if sp
                                else {"all_reduce": half_blocks + 1}), backward.counts
     # The planner's TP bytes for this micro-batch are what the ranks sent.
-    shape = SimpleNamespace(args=ref.args, tp=2, elem=4, mb_tokens=tokens.numel(), loss_parallel=lp)
+    shape = SimpleNamespace(args=ref.args, tp=2, sp=sp, elem=4, mb_tokens=tokens.numel(), loss_parallel=lp)
     planned = tp_bytes(shape, ActivationCheckpointConfig(mode="none"), len(model.layers), has_embedding=True,
                        has_output=True)
     assert forward.bytes + backward.bytes == planned, (forward.bytes, backward.bytes, planned)

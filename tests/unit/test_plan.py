@@ -140,7 +140,7 @@ KNOWN_MISSES = {"t3_8b_fsdp128_compile_float8": "compile and float8 activation s
 # bf16 FLOPs at 40% of the dense peak, FSDP/CP/PP traffic overlapped, TP's
 # exposed (docs/planner.md, "Step time"). Where that is what ran (bf16, FSDP
 # alone) it is within 15% of the published rate; float8 matmuls, async TP and
-# pipeline bubbles it models pessimistically (published up to 1.76x faster).
+# pipeline bubbles it models pessimistically (published up to 1.75x faster).
 # On no row is it optimistic by more than 20%: a plan that fits should not
 # promise a speed the job will not reach.
 PUBLISHED_TPS = {

@@ -57,14 +57,18 @@ def tp_bytes(s: StepShape, ac, blocks: int, has_embedding: bool, has_output: boo
     [micro-batch, seq, dim] activation (an all-reduce is two: a reduce-scatter and an all-gather).
 
     Per sub-block (attention, feed-forward) forward: under SP an all-gather before it and a reduce-scatter
-    after, without SP one all-reduce: 2 units either way, so 4 per block; as many backward; the forward's
-    again where AC recomputes it. The embedding's output reduction and the output projection's input (SP's
-    gather, or the all-reduce of its input gradient) are 2 units each, forward and backward together.
-    Without loss parallelism the [tokens, vocab] logits are all-gathered as well."""
+    after, without SP one all-reduce: 2 units either way, so 4 per block; as many backward. A recomputed
+    block reruns its forward up to the last tensor its backward needs, which is before the feed-forward's
+    closing collective: 3 units under SP, 2 without; selective_op saves the reduce-scatters' outputs, so
+    it reruns the 2 gathers (SP) or the attention's all-reduce. The embedding's output reduction and the
+    output projection's input (SP's gather, or the all-reduce of its input gradient) are 2 units each,
+    forward and backward together. Without loss parallelism the [tokens, vocab] logits are all-gathered
+    as well."""
     a = s.args
     unit = ring_bytes(s.tp, s.elem * s.mb_tokens * a.dim)
-    recompute = {"none": 0, "full": 1, "selective_layer": 1 / ac.every_k, "selective_op": 0.5}[ac.mode]
-    sent = 4 * unit * (2 + recompute) * blocks + 2 * unit * (has_embedding + has_output)
+    rerun = 3 if s.sp else 2
+    recompute = {"none": 0, "full": rerun, "selective_layer": rerun / ac.every_k, "selective_op": 2}[ac.mode]
+    sent = (8 + recompute) * unit * blocks + 2 * unit * (has_embedding + has_output)
     if has_output and not s.loss_parallel:
         sent += ring_bytes(s.tp, s.elem * s.mb_tokens * a.vocab_size)
     return sent
