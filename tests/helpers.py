@@ -187,12 +187,12 @@ def spawn(fn, world, *args, timeout=300):
 
 
 class BytesSent(TorchDispatchMode):
-    """The collectives this rank runs while active (`counts`: "all_gather", "reduce_scatter", "all_reduce", "send")
-    and the bytes it sends in them (`bytes`; by kind in `bytes_by_kind`), as ring algorithms over `n` ranks send them: the traced
-    functional ops (TP's redistributions), the in-place c10d ones (FSDP's, CP's) and point-to-point
-    sends (PP's). Not seen: what DTensor
-    runs inside an operator's own dispatch (loss parallelism's reductions of per-token scalars).
-    `keep(input tensor)` selects which collectives count."""
+    """The collectives this rank runs while active, by kind (`counts`: "all_gather", "reduce_scatter",
+    "all_reduce", "send"), and the bytes it sends in them as ring algorithms over `n` ranks send them
+    (`bytes`; per kind in `bytes_by_kind`): the traced functional ops (TP's redistributions), the in-place
+    c10d ones (FSDP's, CP's) and point-to-point sends (PP's). Not seen: what DTensor runs inside an
+    operator's own dispatch (loss parallelism's reductions of per-token scalars). `keep(input tensor)`
+    selects which collectives count."""
 
     # op name: (kind, index of the input tensor, bytes sent per input byte over n ranks)
     OPS = {
@@ -221,7 +221,8 @@ class BytesSent(TorchDispatchMode):
             t = args[i][0] if isinstance(args[i], (list, tuple)) else args[i]
             if self.keep(t):
                 self.counts[kind] = self.counts.get(kind, 0) + 1
-                self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0.0) + t.numel() * t.element_size() * per_byte(self.n)
+                sent = t.numel() * t.element_size() * per_byte(self.n)
+                self.bytes_by_kind[kind] = self.bytes_by_kind.get(kind, 0.0) + sent
         return func(*args, **(kwargs or {}))
 
 

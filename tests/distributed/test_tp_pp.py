@@ -37,8 +37,9 @@ def _check_tp_bytes_under_ac(world):
     for sp in (True, False):
         for mode in ("full", "selective_op", "selective_layer"):
             cfg = load_job_config(str(RECIPES / "debug.toml"), [
-                "--parallelism.tp=2", "--parallelism.dp_shard=1", f"--parallelism.tp_sequence_parallel={str(sp).lower()}",
-                f"--activation_checkpoint.mode={mode}", "--loss.chunked=false"])
+                "--parallelism.tp=2", "--parallelism.dp_shard=1",
+                f"--parallelism.tp_sequence_parallel={str(sp).lower()}", f"--activation_checkpoint.mode={mode}",
+                "--loss.chunked=false"])
             built = build_model_parts(cfg, dims, torch.device("cpu"))
             (model,) = built.parts
             init_model_weights(model, 0, "cpu")

@@ -43,7 +43,8 @@ def _run(cfg):
     try:
         records = train_loop(job)
         if job.dims.dp_shard > 1:  # the last step's validation left FSDP's parameters sharded, as training does
-            unsharded = [n for part in job.model_parts for n, p in part.named_parameters() if not isinstance(p, DTensor)]
+            unsharded = [n for part in job.model_parts for n, p in part.named_parameters()
+                         if not isinstance(p, DTensor)]
             assert not unsharded, unsharded
         return records
     finally:

@@ -18,14 +18,15 @@ def _parity(layouts, extra=None):
 
 
 def test_parity_cp2():
-    """CP2 follows the single-process loss curve (10 steps); CP2 x FSDP2 is in the document-mask test and the
-    slow sweep below."""
+    """CP2 follows the single-process loss curve (10 steps); CP2 x FSDP2 is in the document-mask test
+    and the slow sweep below."""
     _parity(["cp=2"])
 
 
 @pytest.mark.slow
 def test_parity_cp4_contiguous_layout_grad_accum_fsdp_hsdp():
-    _parity(["cp=4", "dp_shard=2,cp=2", "cp=2,cp_load_balance=false", "cp=2,training.local_batch_size=4", "dp_replicate=2,cp=2"])
+    _parity(["cp=4", "dp_shard=2,cp=2", "cp=2,cp_load_balance=false", "cp=2,training.local_batch_size=4",
+             "dp_replicate=2,cp=2"])
 
 
 @pytest.mark.slow
