@@ -30,15 +30,15 @@ def comm_bytes(s: StepShape, *, fsdp_degree: int, dp_replicate: int, grad_accum:
     a, tp, pp, cp = s.args, s.tp, s.pp, s.cp
     comm: dict[str, float] = {}
     micro_steps = grad_accum if pp == 1 else 1
+    # Per pipeline rank, the (tp-sharded) parameters of its blocks and of its root, unsharded by FSDP.
+    blocks = [s.block_params * len(r.layers) / tp for r in ranks]
+    roots = [r.root_params / tp for r in ranks]
+    held = max(b + root for b, root in zip(blocks, roots))
     if s.fsdp and fsdp_degree > 1:
-        blocks = [s.block_params * len(r.layers) / tp for r in ranks]
-        roots = [r.root_params / tp for r in ranks]
         gathered = max((2 if s.reshard else 1) * b + root for b, root in zip(blocks, roots))
         comm["fsdp_all_gather"] = micro_steps * ring_bytes(fsdp_degree, s.elem * gathered)
-        held = max(b + root for b, root in zip(blocks, roots))
         comm["fsdp_reduce_scatter"] = micro_steps * ring_bytes(fsdp_degree, s.reduce_elem * held)
     if dp_replicate > 1:
-        held = max(s.block_params * len(r.layers) + r.root_params for r in ranks) / tp
         comm["dp_replicate_all_reduce"] = 2 * ring_bytes(dp_replicate, s.reduce_elem * held / fsdp_degree)
     mbs_per_step = grad_accum * s.n_microbatches
     if tp > 1:
