@@ -9,6 +9,9 @@ from tests.helpers import RECIPES, BytesSent, spawn
 from trainlib.plan import make_plan
 
 DEBUG = str(RECIPES / "debug.toml")
+# The planner's traffic lines of the data-parallel axes, by the kind of collective each one is.
+FSDP_KIND = {"fsdp_all_gather": "all_gather", "fsdp_reduce_scatter": "reduce_scatter",
+             "dp_replicate_all_reduce": "all_reduce"}
 
 
 def _allocated(tensors) -> int:
@@ -71,9 +74,6 @@ def _check_state(tmp_path, world, overrides):
         got = max(s[kind] for s in sent)
         assert got == v if not tp else v < got < 1.005 * v, (kind, sent, planned)
 
-
-FSDP_KIND = {"fsdp_all_gather": "all_gather", "fsdp_reduce_scatter": "reduce_scatter",
-             "dp_replicate_all_reduce": "all_reduce"}
 
 
 def test_state_bytes_equal_a_real_fsdp_run(tmp_path):

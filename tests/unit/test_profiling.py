@@ -6,6 +6,7 @@ import importlib.util
 import json
 import pickle
 import weakref
+from pathlib import Path
 
 import pytest
 import torch
@@ -65,7 +66,7 @@ def test_memory_snapshot_step_and_folder_without_cuda(tmp_path, monkeypatch, ena
     # The allocator's calls stubbed: when the Profiler records, where and when it dumps needs no CUDA.
     dumps, recording = [], []
     monkeypatch.setattr(torch.cuda.memory, "_record_memory_history", lambda **kw: recording.append(kw))
-    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: (open(path, "wb"), dumps.append(path)))
+    monkeypatch.setattr(torch.cuda.memory, "_dump_snapshot", lambda path: (Path(path).touch(), dumps.append(path)))
     cfg = ProfilingConfig(enable_memory_snapshot=enable, memory_snapshot_step=3, save_memory_snapshot_folder="snaps")
     profiler = Profiler(cfg, tmp_path, 0, torch.device("cpu"), start_step=0)
     for step in (1, 2, 3, 4):
