@@ -7,8 +7,8 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainlib.loss import cross_entropy_sum
 from trainlib.params import canonical_name
-from trainlib.models.llama3 import Transformer, get_model_args
-from trainlib.parallel.ac import apply_ac
+from trainlib.models.llama3 import Transformer, block_forward_flops, get_model_args
+from trainlib.parallel.ac import ActivationCheckpointConfig, apply_ac, recomputed_flops_per_token
 from trainlib.parallel.compile import apply_compile
 from trainlib.parallel.init import init_model_weights
 
@@ -150,3 +150,41 @@ def test_which_matmuls_backward_recomputes(mode, policy, recomputed):
     with _RecomputedLinears(model) as seen:
         loss.backward()
     assert sorted(seen.seen) == sorted(recomputed)
+
+
+class _ForwardFlops(TorchDispatchMode):
+    """FLOPs of the forward matmuls (told apart as in _RecomputedLinears) and
+    forward attention kernels that run while active, from their shapes."""
+
+    def __init__(self):
+        super().__init__()
+        self.flops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is torch.ops.aten.mm.default and not args[1].is_contiguous():
+            self.flops += 2 * args[0].shape[0] * args[0].shape[1] * args[1].shape[1]
+        name = func.overloadpacket.__name__
+        if name.startswith("_scaled_dot_product") and not name.endswith("_backward"):
+            (b, h, s, d), s_kv = args[0].shape, args[1].shape[2]
+            self.flops += 4 * b * h * s * s_kv * d
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("mode,policy,every_k", [("none", "all_mm", 2), ("full", "all_mm", 2),
+                                                 ("selective_layer", "all_mm", 2), ("selective_layer", "all_mm", 3),
+                                                 ("selective_op", "all_mm", 2), ("selective_op", "every_other_mm", 2)])
+def test_planned_recompute_flops_are_what_backward_reruns(mode, policy, every_k):
+    """The planner's recomputed FLOPs (trainlib.plan's step time) against the
+    forward FLOPs backward really reruns, on 5 blocks of unequal matmuls."""
+    args = get_model_args("debug", n_layers=5)
+    model = Transformer(args, rope_len=64)
+    model.init_weights(0)
+    apply_ac(model, mode, every_k=every_k, selective_op_policy=policy)
+    tokens = _tokens()
+    loss = cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:])
+    with _ForwardFlops() as rerun:
+        loss.backward()
+    ac = ActivationCheckpointConfig(mode=mode, every_k=every_k, selective_op_policy=policy)
+    planned = recomputed_flops_per_token(block_forward_flops(args, 64), args.n_layers, ac) * tokens[:, 1:].numel()
+    assert rerun.flops == planned
+    assert (planned > 0) == (mode in ("full", "selective_layer") or policy == "every_other_mm")

@@ -132,17 +132,17 @@ def test_attn_mask_key():
 
 def test_a_model_without_document_masking_is_refused(monkeypatch, tmp_path):
     """A family whose forward takes no doc_ids cannot mask by document: one line at setup."""
-    from trainlib.models import llama3, registry
-    from trainlib.models.registry import ModelSpec
+    import dataclasses
+
+    from trainlib.models import registry
 
     class CausalOnly(Transformer):
         def forward(self, tokens, position_ids=None):
             return super().forward(tokens, position_ids)
 
     spec = registry.MODELS["llama3"]
-    monkeypatch.setitem(registry.MODELS, "causal_only", ModelSpec(
-        "causal_only", spec.flavors, spec.get_args, CausalOnly, llama3.parallelize_llama, spec.flops_per_token,
-        spec.state_dict_adapter))
+    monkeypatch.setitem(registry.MODELS, "causal_only", dataclasses.replace(spec, name="causal_only",
+                                                                            model_cls=CausalOnly))
     cfg = load_job_config(None, [f"--job.dump_folder={tmp_path}", "--model.name=causal_only",
                                  "--model.attn_mask=document", "--training.steps=1"])
     with pytest.raises(ConfigError, match="forward takes doc_ids, and model.name 'causal_only' has none") as e:

@@ -38,7 +38,8 @@ def _get_args(flavor, **overrides):
 @pytest.fixture
 def tinylm(monkeypatch):
     spec = ModelSpec(name="tinylm", flavors=TINY, get_args=_get_args, model_cls=TinyLM, parallelize=_parallelize,
-                     flops_per_token=llama3.flops_per_token, state_dict_adapter=llama3.state_dict_adapter)
+                     flops_per_token=llama3.flops_per_token,
+                     block_forward_flops=llama3.block_forward_flops, state_dict_adapter=llama3.state_dict_adapter)
     monkeypatch.setitem(registry.MODELS, "tinylm", spec)
     BUILT.clear()
     PARALLELIZED.clear()

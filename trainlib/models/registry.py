@@ -6,6 +6,7 @@ An entry holds what the job needs from a model family and nothing else:
   model_cls           the plain single-device module, built as `model_cls(args, rope_len=seq_len)` on meta
   parallelize         applies the parallel axes in the family's fixed order (see llama3/parallelize.py)
   flops_per_token     training FLOPs per token, for MFU and the planner
+  block_forward_flops one block's forward FLOPs per token, op by op: what the planner counts as recomputed
   state_dict_adapter  module mapping names/layouts to and from Hugging Face checkpoints
 
 Adding a family is a package under trainlib/models/ and one entry in MODELS;
@@ -35,6 +36,7 @@ class ModelSpec:
     model_cls: type[nn.Module]
     parallelize: Callable[..., nn.Module]
     flops_per_token: Callable[[Any, int], float]
+    block_forward_flops: Callable[[Any, int], list[tuple[str, float, bool]]]
     state_dict_adapter: ModuleType
 
 
@@ -46,6 +48,7 @@ MODELS: dict[str, ModelSpec] = {
         model_cls=llama3.Transformer,
         parallelize=llama3.parallelize_llama,
         flops_per_token=llama3.flops_per_token,
+        block_forward_flops=llama3.block_forward_flops,
         state_dict_adapter=llama3.state_dict_adapter,
     ),
 }

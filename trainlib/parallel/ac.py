@@ -89,6 +89,28 @@ def _op_policy(every_other_mm: bool):
     return context_fn
 
 
+def recomputed_flops_per_token(block_ops: list[tuple[str, float, bool]], n_layers: int,
+                               ac: ActivationCheckpointConfig) -> float:
+    """Forward FLOPs per token that backward reruns under `ac`, summed over
+    `n_layers` blocks. `block_ops` is one block's (name, forward FLOPs, is a
+    matmul) in forward order (the model family's block_forward_flops).
+    `full` reruns all but the last op: checkpoint's early stop ends the rerun
+    once every saved tensor backward needs is back, and the last op's output
+    (w2's in Llama) feeds only the residual add. `selective_op` saves attention
+    and, under `all_mm`, every matmul: what it reruns (norms, RoPE, SiLU) has no
+    matmul FLOPs; under `every_other_mm` it reruns the 2nd, 4th, ... matmul.
+    `selective_layer` is `full` on blocks 0, k, 2k, ..."""
+    if ac.mode == "none":
+        return 0.0
+    if ac.mode in ("full", "selective_layer"):
+        blocks = n_layers if ac.mode == "full" else len(range(0, n_layers, ac.every_k))
+        return blocks * sum(flops for _, flops, _ in block_ops[:-1])
+    if ac.selective_op_policy == "all_mm":
+        return 0.0
+    matmuls = [flops for _, flops, is_mm in block_ops if is_mm]
+    return n_layers * sum(matmuls[1::2])
+
+
 def apply_ac(model: nn.Module, mode: str, *, every_k: int = 2, selective_op_policy: str = "all_mm") -> nn.Module:
     """Wrap the blocks of `model.layers` (a ModuleDict keyed by global index) in place."""
     if mode not in MODES:

@@ -170,15 +170,13 @@ def _ac_label(ac) -> str:
     return ac.mode
 
 
-def step_time(useful_flops: float, ac, hw, assumptions: dict, bubble: float,
+def step_time(useful_flops: float, recompute_flops: float, hw, assumptions: dict, bubble: float,
               comm_s: dict[str, float]) -> tuple[float, float, float]:
     """(FLOPs per rank per step, compute seconds, step seconds) from the useful
-    FLOPs per rank. Recomputation adds 1/3 of them under full AC, 1/(3k) under
-    selective_layer, 5% under selective_op. FSDP, HSDP, PP and CP traffic
-    overlaps compute (prefetch, async p2p); TP's collectives sit between
-    dependent matmuls and are exposed."""
-    recompute = {"none": 0.0, "full": 1 / 3, "selective_layer": 1 / (3 * ac.every_k), "selective_op": 0.05}[ac.mode]
-    flops = useful_flops * (1 + recompute)
+    FLOPs per rank and those activation checkpointing reruns. FSDP, HSDP, PP
+    and CP traffic overlaps compute (prefetch, async p2p); TP's collectives sit
+    between dependent matmuls and are exposed."""
+    flops = useful_flops + recompute_flops
     compute_s = flops / (hw.bf16_tflops * 1e12 * assumptions["achieved_fraction_of_peak"])
     overlapped = sum(v for k, v in comm_s.items() if k != "tp")
     return flops, compute_s, max(compute_s * (1 + bubble), overlapped) + comm_s.get("tp", 0.0)
@@ -194,6 +192,7 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
     from trainlib.config.validate import resolve_local_batch_size, validate_job
     from trainlib.models.registry import get_model_spec, model_args
     from trainlib.parallel import ParallelDims
+    from trainlib.parallel.ac import recomputed_flops_per_token
     from trainlib.parallel.fsdp import reshard_after_forward
 
     if gpu not in GPUS:
@@ -230,8 +229,10 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
     comm_s = comm_seconds(comm, intra, hw, A)
     tokens_step = t.global_batch_size * t.seq_len
     bubble = (dims.pp - 1) / (b.n_microbatches * b.stages_per_rank) if dims.pp_enabled else 0.0
-    useful = get_model_spec(cfg.model.name).flops_per_token(args, t.seq_len) * tokens_step / world_size
-    flops, compute_s, step_s = step_time(useful, ac, hw, A, bubble, comm_s)
+    spec = get_model_spec(cfg.model.name)
+    useful = spec.flops_per_token(args, t.seq_len) * tokens_step / world_size
+    rerun = recomputed_flops_per_token(spec.block_forward_flops(args, t.seq_len), args.n_layers, ac)
+    flops, compute_s, step_s = step_time(useful, rerun * tokens_step / world_size, hw, A, bubble, comm_s)
 
     worst = max(stages, key=lambda st: st.total_bytes)
     fits = worst.total_bytes <= hw.memory_gib * GiB

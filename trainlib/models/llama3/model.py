@@ -325,13 +325,24 @@ class Transformer(nn.Module):
             init_param_(p, self.param_init_spec(name), seed, name)
 
 
+def block_forward_flops(args: ModelArgs, seq_len: int) -> list[tuple[str, float, bool]]:
+    """One block's forward FLOPs per token, op by op in the order forward runs
+    them: (name, FLOPs, is a matmul). Attention's score and value products
+    count 4 * heads * head_dim * seq (no causal discount, see flops_per_token).
+    Activation checkpointing reruns a subset of these in backward
+    (trainlib.parallel.ac.recomputed_flops_per_token); the last entry's output
+    feeds only the residual add."""
+    hd, d = args.head_dim, args.dim
+    return [("wq", 2 * d * args.n_heads * hd, True), ("wk", 2 * d * args.n_kv_heads * hd, True),
+            ("wv", 2 * d * args.n_kv_heads * hd, True), ("attention", 4 * args.n_heads * hd * seq_len, False),
+            ("wo", 2 * args.n_heads * hd * d, True), ("w1", 2 * d * args.ffn_dim, True),
+            ("w3", 2 * d * args.ffn_dim, True), ("w2", 2 * args.ffn_dim * d, True)]
+
+
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
-    """Training FLOPs per token (forward + backward): 6 per matmul weight plus
-    the attention score and value matmuls (12 * layers * heads * head_dim *
-    seq). Causal masking is not discounted, the PaLM-appendix convention that
-    other libraries' MFU numbers also use, so they compare."""
-    hd = args.head_dim
-    per_layer = args.dim * hd * (2 * args.n_heads + 2 * args.n_kv_heads) + 3 * args.dim * args.ffn_dim
-    matmul_params = args.n_layers * per_layer + args.vocab_size * args.dim  # output proj; embedding is a lookup
-    attn = 12 * args.n_layers * args.n_heads * hd * seq_len
-    return 6 * matmul_params + attn
+    """Training FLOPs per token (forward + backward = 3x forward): the blocks'
+    matmuls and attention (block_forward_flops) and the output projection; the
+    embedding is a lookup. Causal masking is not discounted, the PaLM-appendix
+    convention that other libraries' MFU numbers also use, so they compare."""
+    block = sum(flops for _, flops, _ in block_forward_flops(args, seq_len))
+    return 3 * (args.n_layers * block + 2 * args.vocab_size * args.dim)
