@@ -72,6 +72,17 @@ class Job:
     autocast_dtype: torch.dtype | None = None  # bf16 on one rank (build.ModelParts.autocast_dtype)
     monitor: StepMonitor | None = None  # preemption, hang watchdog, step-time spread
 
+    def close(self) -> None:
+        """Stop what runs beside the loop and give back what setup took: the hang
+        watchdog's and the data prefetch threads, signal handlers, the garbage
+        collector's settings, profiler and metrics files. train() calls it; a
+        custom loop calls it after its last step. A thread left running may be
+        inside a torch call when the interpreter exits, which aborts the process
+        ("terminate called without an active exception") after a good run."""
+        for part in (self.monitor, self.loader, self.validator, self.gc_handler, self.profiler, self.metrics):
+            if part is not None:
+                part.close()
+
 
 def setup(cfg: JobConfig, info: DistInfo) -> Job:
     """Validate and build. Every user-input error surfaces here, before any
@@ -232,10 +243,7 @@ def train(cfg: JobConfig) -> list[dict]:
             job.checkpointer.close()  # a save of an earlier step may be in flight: let it commit
             raise
         finally:
-            job.monitor.close()
-            job.gc_handler.close()
-            job.profiler.close()
-            job.metrics.close()
+            job.close()
             # Release FSDP/DTensor state (and the collective work objects it
             # holds) while the process groups still exist.
             del job

@@ -86,6 +86,11 @@ class Validator:
         loss = (self.dims.sum_loss(loss_sum) / n_targets).item()
         return {"val_loss": loss, "val_perplexity": math.exp(loss) if loss < 700 else math.inf}
 
+    def close(self) -> None:
+        """Stop the validation loader's prefetch thread, if it has one."""
+        if self.loader is not None:
+            self.loader.close()
+
     def _loss_sum(self, micro_batches: list[dict]) -> torch.Tensor:
         """The token-loss sum of this rank's share of the micro-batches (the training forward, no backward)."""
         micro_batches = local_micro_batches(micro_batches, self.dims.mesh("cp") if self.dims.cp_enabled else None,

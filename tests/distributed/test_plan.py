@@ -37,15 +37,18 @@ def _real_state(rank, world, out_dir, overrides):
     cfg = load_job_config(DEBUG, overrides + [f"--job.dump_folder={out_dir}/run", "--job.device=cpu",
                                               "--training.steps=1"])
     job = setup(cfg, init_distributed(cfg.comm, cfg.job.device))
-    micro = [next(job.loader) for _ in range(job.grad_accum)]
-    n = sum(count_targets(mb["labels"]) for mb in micro).to(torch.float32)
-    dist.all_reduce(n, group=job.dims.mesh("dp").get_group())
-    forward_backward(job, micro, n)  # the first step of a pipeline also runs its stages' shape inference
-    # FSDP's traffic in the step after: its collectives move flat buffers (TP's, CP's and PP's are [.., dim]).
-    with BytesSent(2, keep=lambda t: t.dim() == 1) as sent:
-        forward_backward(job, micro, n)
-    params = list({id(p): p for m in job.model_parts for p in m.parameters()}.values())
-    job.optimizer.step()
+    try:
+        micro = [next(job.loader) for _ in range(job.grad_accum)]
+        n = sum(count_targets(mb["labels"]) for mb in micro).to(torch.float32)
+        dist.all_reduce(n, group=job.dims.mesh("dp").get_group())
+        forward_backward(job, micro, n)  # the first step of a pipeline also runs its stages' shape inference
+        # FSDP's traffic in the step after: its collectives move flat buffers (TP's, CP's and PP's are [.., dim]).
+        with BytesSent(2, keep=lambda t: t.dim() == 1) as sent:
+            forward_backward(job, micro, n)
+        params = list({id(p): p for m in job.model_parts for p in m.parameters()}.values())
+        job.optimizer.step()
+    finally:
+        job.close()
     got = {"params": _allocated(params), "grads": _allocated(p.grad for p in params),
            "optimizer": _allocated(v for s in job.optimizer.state.values() for v in s.values()),
            "pp_rank": job.dims.mesh("pp").get_local_rank(), "sent": sent.bytes_by_kind}

@@ -48,9 +48,7 @@ def _run(cfg):
             assert not unsharded, unsharded
         return records
     finally:
-        job.gc_handler.close()
-        job.profiler.close()
-        job.metrics.close()
+        job.close()
 
 
 def _layouts(rank, world, out, names, bitwise):

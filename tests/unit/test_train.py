@@ -111,3 +111,35 @@ def test_setup_errors_are_config_errors(tmp_path, overrides, match):
         train(_cfg(tmp_path, *overrides))
 
 
+
+
+def test_job_close_stops_what_setup_started(tmp_path):
+    """Job.close() (train()'s teardown, and a custom loop's) ends every thread setup started (the hang
+    watchdog, the prefetch threads of the training and validation loaders) and gives back the SIGTERM
+    handler and the garbage collector. A thread left running can abort the process at exit: the distributed
+    validation test, which listed the closes itself and missed the watchdog, died so in CI now and then."""
+    import gc
+    import signal
+    import threading
+
+    from tests.helpers import short_documents_corpus
+    from trainlib.data.prepare import prepare
+    from trainlib.distributed import destroy_distributed, init_distributed
+    from trainlib.train import setup, train_loop
+
+    prepare(str(tmp_path / "prep"), [str(short_documents_corpus(tmp_path / "docs.jsonl", n_docs=200))],
+            progress=False)
+    cfg = _cfg(tmp_path / "run", "--training.steps=2", f"--data.path={tmp_path / 'prep'}", "--validation.enable=true",
+               "--validation.steps=1", f"--validation.data.path={tmp_path / 'prep'}")
+    handler, gc_enabled = signal.getsignal(signal.SIGTERM), gc.isenabled()
+    job = setup(cfg, init_distributed(cfg.comm, cfg.job.device))
+    try:
+        train_loop(job)
+        started = sorted(t.name for t in threading.enumerate() if t.name.startswith("trainlib-"))
+        assert started == ["trainlib-data-prefetch"] * 2 + ["trainlib-watchdog"], started  # training, validation
+        assert signal.getsignal(signal.SIGTERM) != handler and not gc.isenabled()
+        job.close()
+    finally:
+        destroy_distributed()
+    assert [t.name for t in threading.enumerate() if t.name.startswith("trainlib-")] == []
+    assert signal.getsignal(signal.SIGTERM) == handler and gc.isenabled() == gc_enabled

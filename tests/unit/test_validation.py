@@ -43,8 +43,7 @@ def test_validation_is_the_token_mean_loss_of_its_data_from_the_start_each_time(
         expected = F.cross_entropy(logits.flatten(0, 1), batch["labels"].flatten())
         causal = F.cross_entropy(model.output(model(batch["input"])).flatten(0, 1), batch["labels"].flatten())
     finally:
-        job.gc_handler.close()
-        job.metrics.close()
+        job.close()
         destroy_distributed()
     assert first == again  # restarts at the beginning: the same tokens every time
     assert math.isclose(first["val_loss"], expected.item(), rel_tol=1e-6)
@@ -77,7 +76,6 @@ def test_validation_computes_in_bf16_where_training_uses_autocast(tmp_path):
         job.validator.autocast_dtype = None
         fp32 = job.validator.run()["val_loss"]
     finally:
-        job.gc_handler.close()
-        job.metrics.close()
+        job.close()
         destroy_distributed()
     assert bf16 != fp32 and math.isclose(bf16, fp32, rel_tol=1e-2), (bf16, fp32)

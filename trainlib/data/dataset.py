@@ -404,6 +404,10 @@ class PackedDataLoader:
     def __iter__(self) -> "PackedDataLoader":
         return self
 
+    def close(self) -> None:
+        """Nothing to stop: batches are built in the caller's thread (the prepared
+        loader's close() stops its prefetch thread; Job.close() calls either)."""
+
     def __next__(self) -> dict[str, torch.Tensor]:
         b, L = self.local_batch_size, self.seq_len
         windows = np.empty((b, L + 1), dtype=np.int64)
