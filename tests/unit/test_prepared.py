@@ -236,6 +236,29 @@ def test_a_prepare_interrupted_twice_keeps_every_shard_and_their_order(tmp_path,
     assert prep(out, [raw])["shards"] == ref["shards"]
 
 
+def test_an_interrupted_prepare_ends_in_a_process_that_handles_sigterm(tmp_path, raw):
+    """The pool's workers are forked, so they inherit the caller's signal handlers; a SIGTERM handler
+    (a training job's preemption handler, say) made them ignore the pool's terminate, and an interrupted
+    prepare() then waited for them forever."""
+    import subprocess
+    import sys
+
+    script = (
+        "import signal, sys\n"
+        "signal.signal(signal.SIGTERM, lambda *a: None)\n"
+        "from trainlib.data.prepare import _Progress, prepare\n"
+        "def interrupt(self, source, path):\n"
+        "    raise KeyboardInterrupt\n"
+        "_Progress.show = interrupt\n"
+        "try:\n"
+        "    prepare(sys.argv[1], [sys.argv[2]], progress=False)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted')\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "out"), str(raw)], capture_output=True,
+                          text=True, timeout=60)
+    assert done.stdout == "interrupted\n", done.stderr
+
+
 def test_prepare_refuses_another_corpus(tmp_path, raw, capsys):
     out = tmp_path / "out"
     first = prep(out, [raw / "a.jsonl"])

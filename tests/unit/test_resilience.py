@@ -14,7 +14,9 @@ from trainlib.resilience import Preemption, StepMonitor, Watchdog, WatchdogConfi
 
 
 def test_a_preemption_signal_stops_after_the_next_step_and_the_handler_stays_for_the_exit():
-    previous = signal.getsignal(signal.SIGUSR1)
+    # Both handlers are put back by hand (close() keeps them): a SIGTERM handler left in the pytest
+    # process is inherited by the workers prepare() forks, which then ignore the pool's SIGTERM.
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     p = Preemption(group=None)
     try:
         p.start_step()
@@ -27,7 +29,8 @@ def test_a_preemption_signal_stops_after_the_next_step_and_the_handler_stays_for
         p.close()
         os.kill(os.getpid(), signal.SIGUSR1)  # torchrun's SIGTERM to the other workers, say: ignored
     finally:
-        signal.signal(signal.SIGUSR1, previous)
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
 
 
 def test_without_a_signal_close_restores_the_handlers():

@@ -24,6 +24,7 @@ import hashlib
 import json
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -77,6 +78,9 @@ _TOKENIZER: Any = None
 
 
 def _init_worker(cfg: TokenizerConfig) -> None:
+    # Forked: a SIGTERM handler of the caller's (a training job's preemption handler)
+    # would make the worker ignore the pool's terminate, and the pool wait forever.
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     global _TOKENIZER
     _TOKENIZER = build_tokenizer(cfg)
 
