@@ -2,8 +2,11 @@
 from the test), tests/e2e (the real CLI in subprocesses). Helpers live in
 tests/helpers.py."""
 
+import gc
 import logging
 import os
+import signal
+import threading
 
 import pytest
 
@@ -32,3 +35,28 @@ def _restore_trainlib_logger():
     handlers, level, propagate = saved
     logger.handlers[:], logger.propagate = handlers, propagate
     logger.setLevel(level)  # not `.level =`: setLevel also clears logging's is-enabled cache
+
+
+@pytest.fixture(autouse=True)
+def _nothing_left_running():
+    """What a job starts beside its loop ends with it (trainlib.train.Job.close): a trainlib thread left
+    running can abort a process at exit, and a SIGTERM handler left in the pytest process is inherited by
+    every process it forks (prepare()'s pool workers ignored their terminate). Put back here, so one leak
+    fails one test. A loader's prefetch thread may outlive its test by the time the loader takes to be
+    collected."""
+    signals = (signal.SIGTERM, signal.SIGUSR1)
+    handlers, gc_enabled = [signal.getsignal(s) for s in signals], gc.isenabled()
+    threads = set(threading.enumerate())
+    yield
+    new = [t for t in threading.enumerate() if t not in threads and t.name.startswith("trainlib-")]
+    if new:  # a prefetch thread ends within 0.2 s of its loader's collection
+        gc.collect()
+        for t in new:
+            t.join(timeout=2)
+    left = [t.name for t in new if t.is_alive()]
+    changed = [s.name for s, h in zip(signals, handlers) if signal.getsignal(s) is not h]
+    changed += ["gc enabled"] if gc.isenabled() != gc_enabled else []
+    for s, h in zip(signals, handlers):
+        signal.signal(s, h)
+    (gc.enable if gc_enabled else gc.disable)()
+    assert not left and not changed, f"left running: {left}; not restored: {changed} (close what the test started)"

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import sysconfig
 import tempfile
+import threading
 import traceback
 from pathlib import Path
 
@@ -156,6 +157,11 @@ def _entry(rank, fn, world, store_path, err_dir, args):
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
         fn(rank, world, *args)
+        # A daemon thread inside a torch call when the interpreter exits aborts the rank ("terminate
+        # called without an active exception"), now and then: fail every time instead.
+        left = [t.name for t in threading.enumerate() if t.name.startswith("trainlib-")]
+        if left:
+            raise AssertionError(f"rank {rank} left threads running: {left} (trainlib.train.Job.close)")
     except BaseException:
         with open(os.path.join(err_dir, f"rank{rank}.err"), "w") as f:
             f.write(traceback.format_exc())
