@@ -1,4 +1,4 @@
-"""Your own training loop from trainlib's parts (about 40 lines).
+"""Your own training loop from trainlib's parts (about 50 lines).
 
     python docs/custom_loop.py                          # one process
     torchrun --nproc-per-node=2 docs/custom_loop.py     # FSDP over 2 ranks
@@ -17,6 +17,16 @@ SEQ_LEN, GLOBAL_BATCH, STEPS = 128, 8, 20
 def main() -> list[float]:
     cfg = trainlib.load_job_config(None, [f"--training.seq_len={SEQ_LEN}"])  # or a recipe: the debug model here
     info = trainlib.init_distributed(cfg.comm)
+    try:
+        return train(cfg, info)
+    finally:
+        # After train() returned, so its model and optimizer are gone: a process group they kept
+        # alive past this call would keep gloo's threads running into the interpreter's exit,
+        # which now and then aborts the process after a good run.
+        trainlib.destroy_distributed()
+
+
+def train(cfg: trainlib.JobConfig, info) -> list[float]:
     dims = trainlib.ParallelDims.from_config(cfg.parallelism, info.world_size)  # dp_shard=-1: FSDP over all ranks
     dims.build_mesh(info.device.type)
 
@@ -50,7 +60,6 @@ def main() -> list[float]:
             print(f"step {step} loss {loss.item():.4f}")
     if info.rank == 0:
         print(f"final loss {losses[-1]:.4f} (first {losses[0]:.4f})")
-    dist.destroy_process_group()
     return losses
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import gc
 import logging
 import os
 import time
@@ -206,5 +207,13 @@ def from_rank0(value):
 
 
 def destroy_distributed() -> None:
+    """Destroy the process groups, after freeing what is no longer referenced
+    (FSDP state, meshes and pipeline stages sit in reference cycles), so no
+    group outlives this call. A gloo group that survives it keeps its worker
+    threads into interpreter exit, where a worker dropping a finished
+    collective's tensors must take the GIL and aborts the process ("terminate
+    called without an active exception") after a good run. Call it once the
+    model and optimizer are out of scope (trainlib.train does)."""
     if dist.is_initialized():
+        gc.collect()
         dist.destroy_process_group()
