@@ -5,7 +5,6 @@ root on sys.path, see pyproject.toml), so plain `pytest` and `python -m pytest`
 collect the same way.
 """
 
-import gc
 import os
 import shutil
 import signal
@@ -153,6 +152,8 @@ def gloo_schedules() -> list[str]:
 def _entry(rank, fn, world, store_path, err_dir, args):
     import torch.distributed as dist
 
+    from trainlib.distributed import destroy_distributed
+
     os.environ.update(OMP_NUM_THREADS="1", RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     try:
         dist.init_process_group("gloo", init_method=f"file://{store_path}", rank=rank, world_size=world)
@@ -167,13 +168,11 @@ def _entry(rank, fn, world, store_path, err_dir, args):
             f.write(traceback.format_exc())
         raise
     finally:
-        if dist.is_initialized():
-            # Free what fn built (pipeline stages and meshes sit in reference cycles) while the
-            # process groups exist, as trainlib.train does: freed after them, a rank aborted
-            # at exit now and then ("terminate called without an active exception", 1 in 8
-            # and 3 in 16 runs of test_init_matches_single_process; 0 in 20 with this).
-            gc.collect()
-            dist.destroy_process_group()
+        # Frees what fn built (pipeline stages and meshes sit in reference cycles) while the
+        # process groups exist: freed after them, a rank aborted at exit now and then ("terminate
+        # called without an active exception", 1 in 8 and 3 in 16 runs of
+        # test_init_matches_single_process; 0 in 20 with the collection first).
+        destroy_distributed()
 
 
 def spawn(fn, world, *args, timeout=300):

@@ -10,7 +10,6 @@ bottom.
 
 from __future__ import annotations
 
-import gc
 import logging
 import os
 import sys
@@ -244,10 +243,9 @@ def train(cfg: JobConfig) -> list[dict]:
             raise
         finally:
             job.close()
-            # Release FSDP/DTensor state (and the collective work objects it
-            # holds) while the process groups still exist.
+            # destroy_distributed() below frees FSDP/DTensor state (and the
+            # collective work objects it holds) before the process groups.
             del job
-            gc.collect()
     except (TrainingStopped, Preempted) as e:
         # A verdict every rank reached alike: said, and every rank's cleanup
         # done, before any rank leaves. Under torchrun the first worker to exit
