@@ -113,22 +113,26 @@ def test_unknown_mode_is_rejected():
 
 
 class _RecomputedLinears(TorchDispatchMode):
-    """Names of the linears whose forward matmul runs while active: x @ W.t(), told
-    apart from backward's grad @ W by the transposed (non-contiguous) weight view;
-    and "attention" for each forward attention kernel."""
+    """The forward matmuls and attention kernels that run while active: names of the
+    linears (x @ W.t(), told apart from backward's grad @ W by the transposed,
+    non-contiguous weight view) and "attention", in `seen`; their FLOPs, from the
+    shapes, in `flops`."""
 
     def __init__(self, model):
         super().__init__()
         self.names = {m.weight.data_ptr(): canonical_name(n).split(".", 2)[-1]
                       for n, m in model.named_modules() if isinstance(m, torch.nn.Linear)}
-        self.seen = []
+        self.seen, self.flops = [], 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if func is torch.ops.aten.mm.default and not args[1].is_contiguous():
             self.seen.append(self.names.get(args[1].data_ptr()))
+            self.flops += 2 * args[0].shape[0] * args[0].shape[1] * args[1].shape[1]
         name = func.overloadpacket.__name__
         if name.startswith("_scaled_dot_product") and not name.endswith("_backward"):
             self.seen.append("attention")
+            (b, h, s, d), s_kv = args[0].shape, args[1].shape[2]
+            self.flops += 4 * b * h * s * s_kv * d
         return func(*args, **(kwargs or {}))
 
 
@@ -152,24 +156,6 @@ def test_which_matmuls_backward_recomputes(mode, policy, recomputed):
     assert sorted(seen.seen) == sorted(recomputed)
 
 
-class _ForwardFlops(TorchDispatchMode):
-    """FLOPs of the forward matmuls (told apart as in _RecomputedLinears) and
-    forward attention kernels that run while active, from their shapes."""
-
-    def __init__(self):
-        super().__init__()
-        self.flops = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        if func is torch.ops.aten.mm.default and not args[1].is_contiguous():
-            self.flops += 2 * args[0].shape[0] * args[0].shape[1] * args[1].shape[1]
-        name = func.overloadpacket.__name__
-        if name.startswith("_scaled_dot_product") and not name.endswith("_backward"):
-            (b, h, s, d), s_kv = args[0].shape, args[1].shape[2]
-            self.flops += 4 * b * h * s * s_kv * d
-        return func(*args, **(kwargs or {}))
-
-
 @pytest.mark.parametrize("mode,policy,every_k", [("none", "all_mm", 2), ("full", "all_mm", 2),
                                                  ("selective_layer", "all_mm", 2), ("selective_layer", "all_mm", 3),
                                                  ("selective_op", "all_mm", 2), ("selective_op", "every_other_mm", 2)])
@@ -182,7 +168,7 @@ def test_planned_recompute_flops_are_what_backward_reruns(mode, policy, every_k)
     apply_ac(model, mode, every_k=every_k, selective_op_policy=policy)
     tokens = _tokens()
     loss = cross_entropy_sum(model(tokens[:, :-1]), tokens[:, 1:])
-    with _ForwardFlops() as rerun:
+    with _RecomputedLinears(model) as rerun:
         loss.backward()
     ac = ActivationCheckpointConfig(mode=mode, every_k=every_k, selective_op_policy=policy)
     planned = recomputed_flops_per_token(block_forward_flops(args, 64), args.n_layers, ac) * tokens[:, 1:].numel()
