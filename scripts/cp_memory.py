@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's trainlib
 
+from trainlib.distributed import destroy_distributed
 from trainlib.loss import cross_entropy_sum
 from trainlib.models.llama3 import Transformer, get_model_args, parallelize_llama
 from trainlib.parallel import ParallelDims, ParallelismConfig, init_model_weights
@@ -36,6 +37,12 @@ def _rss_bytes() -> int:
 
 
 def main() -> None:
+    _measure()
+    # After _measure returns, nothing holds the model's process groups, so none outlives the destroy.
+    destroy_distributed()
+
+
+def _measure() -> None:
     p = argparse.ArgumentParser()
     p.add_argument("--seq-len", type=int, default=16384)
     p.add_argument("--n-layers", type=int, default=4)
@@ -82,7 +89,6 @@ def main() -> None:
     if dist.get_rank() == 0:
         print(f"cp={world} seq_len={a.seq_len} layers={a.n_layers} tokens/rank={a.seq_len // world} "
               f"saved_MiB={stats[0] / 2**20:.1f} peak_rss_growth_MiB={stats[1] / 2**20:.1f}")
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -32,6 +32,7 @@ import torch.distributed as dist
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's trainlib
 
+from trainlib.distributed import destroy_distributed
 from trainlib.resilience import StepMonitor, WatchdogConfig
 
 
@@ -51,6 +52,11 @@ def _busy(ms: float, a: torch.Tensor) -> None:
 
 
 def main() -> None:
+    _measure()
+    destroy_distributed()  # after _measure returns, so its extra group is no longer referenced
+
+
+def _measure() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--step-ms", type=float, default=200.0)
     ap.add_argument("--steps", type=int, default=200)
@@ -93,7 +99,6 @@ def main() -> None:
               f"in end_step; spread() at a log step {statistics.median(spreads) * 1e6:.0f} us")
         print(f"recorder: one-element all-reduce on the default group, median {default_pg:.0f} us")
         _manifest_cost(int(args.gib * 2**30))
-    dist.destroy_process_group()
 
 
 def _manifest_cost(size: int) -> None:
