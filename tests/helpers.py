@@ -139,6 +139,20 @@ def build_on_one_rank(cfg):
         destroy_distributed()
 
 
+def build_debug(dims, overrides: list[str]):
+    """(config, Built) of the debug recipe with `overrides`, built on `dims`' mesh (already built) with
+    every model part's weights initialized from seed 0: the start of each real-step byte check."""
+    from trainlib.build import build_model_parts
+    from trainlib.config import load_job_config
+    from trainlib.parallel import init_model_weights
+
+    cfg = load_job_config(str(RECIPES / "debug.toml"), overrides)
+    built = build_model_parts(cfg, dims, torch.device("cpu"))
+    for part in built.parts:
+        init_model_weights(part, 0, "cpu")
+    return cfg, built
+
+
 def gloo_schedules() -> list[str]:
     """The pipeline schedules that run on gloo with the installed torch and the
     default (chunked) loss. Before torch 2.13 the V placements do not, nor the

@@ -5,7 +5,7 @@ from types import SimpleNamespace
 import torch
 import torch.nn.functional as F
 
-from tests.helpers import RECIPES, BytesSent, spawn
+from tests.helpers import RECIPES, BytesSent, build_debug, spawn
 from trainlib.parallel.cp import shard_sequence
 
 
@@ -156,9 +156,8 @@ def _contiguous_layout_reaches_model_and_batches(rank, world):
 def _cp_bytes_are_planned(rank, world):
     """Per block, the K/V all-gather (again when AC reruns the block) and the reduce-scatter of their
     gradients: a real step's cp collectives and the bytes each rank sends in them are the planner's."""
-    from trainlib.build import build_model_parts
     from trainlib.config import load_job_config
-    from trainlib.parallel import ParallelDims, init_model_weights
+    from trainlib.parallel import ParallelDims
     from trainlib.parallel.cp import local_micro_batches
     from trainlib.plan.comm import cp_bytes
 
@@ -167,10 +166,8 @@ def _cp_bytes_are_planned(rank, world):
     dims = ParallelDims.from_config(load_job_config(str(RECIPES / "debug.toml"), layout).parallelism, world)
     dims.build_mesh("cpu")
     for mode, recomputed in (("none", 0), ("full", 4), ("selective_op", 4), ("selective_layer", 2)):
-        cfg = load_job_config(str(RECIPES / "debug.toml"), [*layout, f"--activation_checkpoint.mode={mode}"])
-        built = build_model_parts(cfg, dims, torch.device("cpu"))
+        cfg, built = build_debug(dims, [*layout, f"--activation_checkpoint.mode={mode}"])
         (model,) = built.parts
-        init_model_weights(model, 0, "cpu")
         (mb,) = local_micro_batches([{"input": tokens[:, :-1], "labels": tokens[:, 1:]}], dims.mesh("cp"),
                                     load_balance=True, document_mask=False, device=torch.device("cpu"))
         # FSDP shards over dp_shard x cp too: its collectives move flat parameter buffers, CP's [.., seq, head_dim].

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers import RECIPES, BytesSent, spawn
+from tests.helpers import BytesSent, build_debug, spawn
 from trainlib.errors import ConfigError
 from trainlib.models.llama3 import Transformer, get_model_args, parallelize_llama
 from trainlib.parallel import ParallelDims
@@ -27,22 +27,16 @@ def _check_init(rank, world, layouts):
 def _check_tp_bytes_under_ac(world):
     """A block recomputed for backward reruns TP's collectives up to the last tensor backward needs: the
     bytes a real tp=2 forward + backward sends under each AC mode are the planner's."""
-    from trainlib.build import build_model_parts
-    from trainlib.config import load_job_config
-    from trainlib.parallel import init_model_weights
-
     dims = ParallelDims(world_size=world, dp_shard=1, tp=2)
     dims.build_mesh("cpu")
     tokens = torch.randint(0, 512, (2, 33), generator=torch.Generator().manual_seed(0))
     for sp in (True, False):
         for mode in ("full", "selective_op", "selective_layer"):
-            cfg = load_job_config(str(RECIPES / "debug.toml"), [
+            cfg, built = build_debug(dims, [
                 "--parallelism.tp=2", "--parallelism.dp_shard=1",
                 f"--parallelism.tp_sequence_parallel={str(sp).lower()}", f"--activation_checkpoint.mode={mode}",
                 "--loss.chunked=false"])
-            built = build_model_parts(cfg, dims, torch.device("cpu"))
             (model,) = built.parts
-            init_model_weights(model, 0, "cpu")
             with BytesSent(2, keep=lambda t: t.dim() == 3) as sent, loss_context(True):  # activations, not weights
                 built.loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
             shape = SimpleNamespace(args=built.model_args, tp=2, sp=sp, elem=4, mb_tokens=tokens[:, 1:].numel(),
@@ -54,9 +48,6 @@ def _check_tp_bytes_under_ac(world):
 def _check_pp_sends(world):
     """Each stage sends its activation forward and its input gradient backward where the neighbouring
     stage is on the other rank: what the ranks send is what the planner counts (`pp_sends`)."""
-    from trainlib.build import build_model_parts
-    from trainlib.config import load_job_config
-    from trainlib.parallel import init_model_weights
     from trainlib.plan.comm import pp_sends
 
     dims = ParallelDims(world_size=world, dp_shard=1, pp=2)
@@ -64,11 +55,8 @@ def _check_pp_sends(world):
     tokens = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(0))
     batch = {"input": tokens[:, :-1], "labels": tokens[:, 1:]}
     for schedule, sends in (("1F1B", 1), ("Interleaved1F1B", 3), ("ZBVZeroBubble", 2)):
-        cfg = load_job_config(str(RECIPES / "debug.toml"), ["--parallelism.pp=2", "--parallelism.dp_shard=1",
-                                                             f"--parallelism.pp_schedule={schedule}"])
-        built = build_model_parts(cfg, dims, torch.device("cpu"))
-        for part in built.parts:
-            init_model_weights(part, 0, "cpu")
+        _, built = build_debug(dims, ["--parallelism.pp=2", "--parallelism.dp_shard=1",
+                                      f"--parallelism.pp_schedule={schedule}"])
         pipeline = built.pipeline
         pipeline.step([batch], torch.tensor(128.0), torch.device("cpu"))  # the first step also sends shapes
         with BytesSent(2) as sent:
