@@ -1,4 +1,4 @@
-"""Gradient clipping on DTensor gradients, pending-sum (Partial) ones included.
+"""Gradient clipping on DTensor gradients, pending-sum (Partial) and whole ones of sharded parameters included.
 
 TP leaves the weights of sequence-parallel norms with Partial("sum")
 gradients where no FSDP reduces them (tp alone, pp x tp). torch 2.11's
@@ -10,15 +10,17 @@ import math
 
 import torch
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 
 from tests.helpers import spawn
 from trainlib.parallel import clip_grad_norm_
 
 
-def _param(mesh, full_grad, placements, local_grad):
-    p = torch.nn.Parameter(DTensor.from_local(torch.zeros_like(local_grad), mesh, placements, run_check=False,
-                                              shape=full_grad.shape, stride=full_grad.stride()))
+def _param(mesh, full_grad, placements, local_grad, param_placements=None):
+    """A parameter whose gradient is `local_grad` with `placements`; the parameter's placements are those
+    with pending sums summed (the parameter of a pending-sum gradient is replicated), unless given."""
+    param_placements = param_placements or [Replicate() if pl.is_partial() else pl for pl in placements]
+    p = torch.nn.Parameter(distribute_tensor(torch.zeros_like(full_grad), mesh, param_placements))
     p.grad = DTensor.from_local(local_grad, mesh, placements, run_check=False,
                                 shape=full_grad.shape, stride=full_grad.stride())
     return p
@@ -54,6 +56,9 @@ def _check_clip_on(mesh, max_norm):
     # Already final: replicated.
     full.append(torch.randn(3, 2, generator=gen))
     params.append(_param(mesh, full[-1], [Replicate(), Replicate()], full[-1].clone()))
+    # TP's embedding without FSDP: the gradient whole where the parameter's rows are sharded over b.
+    full.append(torch.randn(5, 2, generator=gen))
+    params.append(_param(mesh, full[-1], [Replicate(), Replicate()], full[-1].clone(), [Replicate(), Shard(0)]))
 
     norm = clip_grad_norm_(params, max_norm)
     want = math.sqrt(sum(float((g * g).sum()) for g in full))
@@ -61,9 +66,12 @@ def _check_clip_on(mesh, max_norm):
     assert abs(float(norm) - want) < 1e-5 * want, (float(norm), want)
     coef = min(1.0, max_norm / (want + 1e-6)) if max_norm > 0 else 1.0
     for i, (p, g) in enumerate(zip(params, full)):
-        assert not any(pl.is_partial() for pl in p.grad.placements), (i, p.grad.placements)
+        assert p.grad.placements == p.placements, (i, p.grad.placements)  # no pending sum, no whole shard
         assert p.grad.shape == p.shape and p.grad.stride() == p.stride(), (i, p.grad.stride())
         torch.testing.assert_close(p.grad.full_tensor(), g * coef, rtol=1e-6, atol=1e-7, msg=f"gradient {i}")
+    # The embedding's shard is its own tensor: the whole gradient is freed, not kept under a view.
+    shard = params[-1].grad.to_local()
+    assert shard.untyped_storage().nbytes() == shard.numel() * shard.element_size() < full[-1].nbytes
 
 
 def test_clip_scales_pending_sum_gradients_and_leaves_none_pending():

@@ -25,10 +25,13 @@ def clip_grad_norm_(
 
     Pending-sum (`Partial`) gradients, which TP leaves on the weights of
     sequence-parallel norms when no FSDP reduces them, are summed first
-    (`resolve_partial_grads`), so every gradient leaves here final.
+    (`resolve_partial_grads`), and every gradient is given its parameter's
+    placements (`shard_grads_like_params`), so each leaves here final and
+    shaped like its parameter.
     """
     params = [p for p in params if p.grad is not None]
     resolve_partial_grads(params)
+    shard_grads_like_params(params)
     grads = [p.grad for p in params]
     if grads:
         norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
@@ -78,6 +81,24 @@ def resolve_partial_grads(params: Iterable[torch.Tensor]) -> None:
             # The pieces are contiguous; the global shape comes from the gradient (shards may be uneven).
             p.grad = DTensor.from_local(piece.view_as(t), mesh, resolved, run_check=False,
                                         shape=p.grad.shape, stride=_contiguous_stride(p.grad.shape))
+
+
+@torch.no_grad()
+def shard_grads_like_params(params: Iterable[torch.Tensor]) -> None:
+    """Shard every DTensor gradient that is replicated where its parameter is
+    sharded. DTensor's embedding backward builds TP's vocab-sharded embedding
+    gradient whole ([vocab, dim], replicated) on every tp rank; FSDP slices it
+    before its reduce-scatter, but without FSDP it reached the optimizer
+    whole: tp times the shard's memory, and each AdamW op slicing it again.
+    Replicated to sharded is a local slice (no communication) into a new
+    tensor, so the whole one is freed here."""
+    for p in params:
+        g = p.grad
+        if not (isinstance(p, DTensor) and isinstance(g, DTensor)):
+            continue
+        slice_to = [pp if gp.is_replicate() and pp.is_shard() else gp for gp, pp in zip(g.placements, p.placements)]
+        if slice_to != list(g.placements):
+            p.grad = g.redistribute(placements=slice_to)
 
 
 def _contiguous_stride(shape: torch.Size) -> tuple[int, ...]:
