@@ -300,7 +300,8 @@ def test_plan_refuses_to_run_inside_a_job(monkeypatch):
     # HSDP 2 x 2: half as much per rank inside the shard group, and the shard's gradient all-reduced across.
     (4, ["dp_replicate=2", "dp_shard=2"],
      {"fsdp_all_gather": None, "fsdp_reduce_scatter": 0.5 * 4, "dp_replicate_all_reduce": 2 * 0.5 * 4 / 2}),
-    (2, ["tp=2"], {"tp": None}), (2, ["pp=2"], {"pp_p2p": None}),
+    (2, ["tp=2"], {"tp": None, "tp_grad_all_reduce": None}), (2, ["tp=2", "tp_sequence_parallel=false"], {"tp": None}),
+    (2, ["pp=2"], {"pp_p2p": None}),
     (2, ["cp=2"], {"fsdp_all_gather": None, "fsdp_reduce_scatter": 0.5 * 4, "cp_kv": None}),  # FSDP over cp
 ])
 def test_communication_lines_follow_the_layout(world, layout, lines):

@@ -8,7 +8,8 @@ from trainlib.plan.memory import StepShape
 
 # Which axis each traffic line runs on ("fsdp": the dp_shard x cp mesh FSDP shards over).
 AXIS_OF = {"fsdp_all_gather": "fsdp", "fsdp_reduce_scatter": "fsdp",
-           "dp_replicate_all_reduce": "dp_replicate", "tp": "tp", "pp_p2p": "pp", "cp_kv": "cp"}
+           "dp_replicate_all_reduce": "dp_replicate", "tp": "tp", "tp_grad_all_reduce": "tp", "pp_p2p": "pp",
+           "cp_kv": "cp"}
 
 
 def ring_bytes(n: int, payload: float) -> float:
@@ -25,14 +26,15 @@ def comm_bytes(s: StepShape, *, fsdp_degree: int, dp_replicate: int, grad_accum:
     when resharding (the root, embedding, final norm and output, never reshards), per micro-step without
     PP (under PP a stage gathers once for all its micro-batches); it reduce-scatters the gradients in the
     reduce dtype, as often. HSDP all-reduces the gradient shard over dp_replicate. TP: `tp_bytes`. PP:
-    `pp_sends` activations or gradients per micro-batch. CP: `cp_bytes`. The norm weights, replicated
-    under TP, are counted as if tp-sharded (1e-5 of an 8B model's parameters)."""
+    `pp_sends` activations or gradients per micro-batch. CP: `cp_bytes`. Under SP the gradients of the
+    norm weights, which TP replicates, are pending sums over tp: FSDP's post-backward all-reduces them per
+    micro-batch in the compute dtype, `clip_grad_norm_` once per step without FSDP (`tp_grad_all_reduce`)."""
     a, tp, pp, cp = s.args, s.tp, s.pp, s.cp
     comm: dict[str, float] = {}
     micro_steps = grad_accum if pp == 1 else 1
-    # Per pipeline rank, the (tp-sharded) parameters of its blocks and of its root, unsharded by FSDP.
-    blocks = [s.block_params * len(r.layers) / tp for r in ranks]
-    roots = [r.root_params / tp for r in ranks]
+    # Per pipeline rank, what one tp rank holds of its blocks and of its root, unsharded by FSDP.
+    blocks = [s.block_params * len(r.layers) for r in ranks]
+    roots = [r.root_params for r in ranks]
     held = max(b + root for b, root in zip(blocks, roots))
     if s.fsdp and fsdp_degree > 1:
         gathered = max((2 if s.reshard else 1) * b + root for b, root in zip(blocks, roots))
@@ -43,6 +45,9 @@ def comm_bytes(s: StepShape, *, fsdp_degree: int, dp_replicate: int, grad_accum:
     mbs_per_step = grad_accum * s.n_microbatches
     if tp > 1:
         comm["tp"] = max(tp_bytes(s, ac, len(r.layers), r.has_embedding, r.has_output) for r in ranks) * mbs_per_step
+        if s.sp:
+            reduces = mbs_per_step if s.fsdp else 1
+            comm["tp_grad_all_reduce"] = reduces * 2 * ring_bytes(tp, s.elem * max(r.tp_replicated for r in ranks))
     if pp > 1:
         act = s.elem * s.mb_tokens * a.dim / (tp if s.sp else 1)
         owners = [rank for _, rank in sorted((stage, r.pp_rank) for r in ranks for stage in r.stage_ids)]

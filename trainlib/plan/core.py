@@ -72,8 +72,11 @@ class RankBuild:
     has_embedding: bool
     has_output: bool
     state: dict[str, int]  # state_bytes of its parts
-    block_params: int  # parameters of one of its blocks, unsharded (global DTensor sizes); 0 without blocks
-    root_params: int  # its parameters outside the blocks (embedding, final norm, output), unsharded
+    # Elements one tp rank holds before FSDP shards them (`_per_tp_rank`): of one of its blocks (0 without
+    # blocks), and of its parameters outside the blocks (embedding, final norm, output).
+    block_params: int
+    root_params: int
+    tp_replicated: int  # elements of its parameters TP replicates over tp (the norm weights); 0 without TP
 
 
 @dataclass
@@ -139,12 +142,35 @@ def _build_rank(cfg, world_size: int, rank: int) -> tuple[RankBuild, dict, list[
         rank_build = RankBuild(pp_rank, stage_ids, [int(i) for part in parts for i in part.layers],
                                any(part.tok_embeddings is not None for part in parts),
                                any(part.output is not None for part in parts), state_bytes(parts),
-                               sum(p.numel() for p in blocks[0].parameters()) if blocks else 0,
-                               sum(p.numel() for part in parts for name, p in part.named_parameters()
-                                   if not name.startswith("layers.")))
+                               sum(_per_tp_rank(p) for p in blocks[0].parameters()) if blocks else 0,
+                               sum(_per_tp_rank(p) for part in parts for name, p in part.named_parameters()
+                                   if not name.startswith("layers.")),
+                               sum(p.numel() for part in parts for p in part.parameters() if _tp_replicated(p)))
         return rank_build, facts, [int(r) for r in dims.mesh("pp").mesh.tolist()]
     finally:
         dist.destroy_process_group()
+
+
+def _tp_placement(p):
+    """`p`'s placement on the tp mesh dimension, or None where TP does not hold it."""
+    from torch.distributed.tensor import DTensor
+
+    names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
+    return p.placements[names.index("tp")] if "tp" in names else None
+
+
+def _per_tp_rank(p) -> int:
+    """Elements of parameter `p` one tp rank holds before FSDP shards it: a dimension TP shards is
+    divided by tp; TP's replicated parameters (the norm weights) are whole on every tp rank."""
+    placement = _tp_placement(p)
+    if placement is not None and placement.is_shard():
+        return p.numel() // p.device_mesh.size(p.device_mesh.mesh_dim_names.index("tp"))
+    return p.numel()
+
+
+def _tp_replicated(p) -> bool:
+    placement = _tp_placement(p)
+    return placement is not None and placement.is_replicate()
 
 
 # ---- the plan ------------------------------------------------------------------------------------------------------

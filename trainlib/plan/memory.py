@@ -142,7 +142,7 @@ class StepShape:
     mb_tokens: float  # tokens of one micro-batch on this rank (CP splits the sequence)
     fsdp: bool  # FSDP wraps the model (read from the build)
     reshard: bool  # FSDP reshards blocks after forward
-    block_params: int  # parameters of one block, unsharded
+    block_params: int  # elements of one block one tp rank holds, unsharded by FSDP (norm weights whole)
     loss_chunk_tokens: int | None = None  # loss.chunk_tokens under loss.chunked, else None (whole logits)
 
 
@@ -196,7 +196,7 @@ def fsdp_unsharded_bytes(s: StepShape, n_layers: int, has_emb: bool, has_out: bo
     still all-gathers (casts) into compute-dtype copies."""
     if not s.fsdp:
         return 0.0
-    a, block = s.args, s.block_params / s.tp
+    a, block = s.args, s.block_params
     root = (a.vocab_size * a.dim / s.tp) * (int(has_emb) + int(has_out))
     n_blocks = min(2, n_layers) if s.reshard else n_layers
     gathered = s.elem * (block * n_blocks + root)
