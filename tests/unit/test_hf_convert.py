@@ -141,3 +141,46 @@ def test_weights_of_another_shape_or_format_are_refused_with_the_fix(tmp_path):
         load_meta_into_model([other], tmp_path / "meta", args)
     with pytest.raises(ConfigError, match="is neither a DCP checkpoint folder .*, a Hugging Face folder"):
         checkpoint_format(tmp_path / "no_model" / "missing")
+
+
+def test_hf_import_keeps_only_model_weights_and_export_of_tied_weights_writes_one_matrix(tmp_path):
+    """An HF folder may hold tensors that are not weights (old exports saved each layer's rotary
+    inv_freq): import skips them, so the model and a converted DCP checkpoint hold exactly the
+    model's keys. A tied model exports one matrix (embed_tokens), as transformers writes it."""
+    from safetensors.torch import load_file, save_file
+
+    from trainlib.checkpoint.convert import hf_to_dcp, read_dcp_model
+    from trainlib.checkpoint.hf import read_hf_folder, write_hf_folder
+    from trainlib.models.llama3 import get_model_args
+
+    args = get_model_args("debug", n_layers=2)
+    model = Transformer(args, rope_len=8)
+    model.init_weights(seed=0)
+    write_hf_folder(model.state_dict(), args, tmp_path / "hf")
+    hf = load_file(tmp_path / "hf" / "model.safetensors")
+    hf["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    save_file(hf, tmp_path / "hf" / "model.safetensors")
+    _, sd = read_hf_folder(tmp_path / "hf")
+    assert set(sd) == set(model.state_dict())
+    hf_to_dcp(tmp_path / "hf", tmp_path / "dcp")
+    assert set(read_dcp_model(tmp_path / "dcp")) == set(model.state_dict())
+
+    tied_args = get_model_args("debug", n_layers=2, tie_embeddings=True)
+    tied = Transformer(tied_args, rope_len=8)
+    tied.init_weights(seed=0)
+    write_hf_folder(tied.state_dict(), tied_args, tmp_path / "tied")
+    written = load_file(tmp_path / "tied" / "model.safetensors")
+    assert "lm_head.weight" not in written and "model.embed_tokens.weight" in written
+    _, back = read_hf_folder(tmp_path / "tied")
+    assert torch.equal(back["output.weight"], tied.output.weight)
+
+
+def test_hf_config_whose_head_dim_is_not_dim_over_heads_is_refused():
+    from trainlib.checkpoint.hf import args_from_hf_config
+    from trainlib.errors import ConfigError
+
+    cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+           "intermediate_size": 192, "vocab_size": 512}
+    assert args_from_hf_config({**cfg, "head_dim": 16}).head_dim == 16  # stated, and what dim / heads gives
+    with pytest.raises(ConfigError, match="head_dim=32 != hidden_size/num_attention_heads"):
+        args_from_hf_config({**cfg, "head_dim": 32})
