@@ -60,7 +60,8 @@ def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
     # touching torch.distributed.
     from torch.distributed.tensor import DTensor, distribute_tensor
 
-    full = full.to(device=param.device, dtype=param.dtype)
+    # Cast by copy_, after the cut: a bf16 checkpoint's tensor never exists whole in an fp32 parameter's dtype.
+    full = full.to(device=param.device)
     if isinstance(param, DTensor):
         param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements,
                                                  src_data_rank=None).to_local())

@@ -184,3 +184,48 @@ def test_hf_config_whose_head_dim_is_not_dim_over_heads_is_refused():
     assert args_from_hf_config({**cfg, "head_dim": 16}).head_dim == 16  # stated, and what dim / heads gives
     with pytest.raises(ConfigError, match="head_dim=32 != hidden_size/num_attention_heads"):
         args_from_hf_config({**cfg, "head_dim": 32})
+
+
+def test_hf_import_reads_and_converts_one_weight_at_a_time_and_casts_no_whole_copy(tmp_path, monkeypatch):
+    """Each rank loads an HF folder weight by weight: a converted weight (wq and wk are permuted
+    copies) is dropped before the next is read, and a bf16 tensor goes into an fp32 parameter by
+    copy_ (no whole fp32 copy first). Eagerly converted, every rank held all blocks' permuted wq and
+    wk at once (72 GB for 405B in bf16); measured in docs/checkpointing.md."""
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import trainlib.checkpoint.hf as hf_mod
+    from trainlib.models.llama3 import get_model_args
+
+    args = get_model_args("debug", n_layers=2)
+    src = Transformer(args, rope_len=8)
+    src.init_weights(seed=0)
+    hf_mod.write_hf_folder({k: v.to(torch.bfloat16) for k, v in src.state_dict().items()}, args, tmp_path / "hf")
+
+    convert, given, alive_at_read = hf_mod.hf_weight_to_trainlib, [], []
+
+    def tracked(name, t, a):
+        alive_at_read.append([n for n, ref in given if ref() is not None])
+        out = convert(name, t, a)
+        given.append((name, weakref.ref(out)))
+        return out
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.add(str(func))
+            return func(*args, **(kwargs or {}))
+
+    monkeypatch.setattr(hf_mod, "hf_weight_to_trainlib", tracked)
+    dst = Transformer(args, rope_len=8)
+    dst.init_weights(seed=1)
+    with Ops() as ops:
+        hf_mod.load_hf_into_model([dst], tmp_path / "hf", args)
+    assert len(given) == len(dict(dst.named_parameters())) and all(not alive for alive in alive_at_read), alive_at_read
+    assert "aten.copy_.default" in ops.names and "aten._to_copy.default" not in ops.names, ops.names
+    for (name, got), want in zip(dst.state_dict().items(), src.state_dict().values()):
+        assert torch.equal(got, want.to(torch.bfloat16).float()), name

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Iterator, Mapping
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Literal
@@ -20,7 +21,8 @@ from trainlib.models.llama3.model import ModelArgs
 from trainlib.models.llama3.state_dict_adapter import (
     args_from_hf_config,
     hf_config_from_args,
-    hf_to_trainlib,
+    hf_weight_names,
+    hf_weight_to_trainlib,
     trainlib_to_hf,
 )
 from trainlib.params import canonical_name, copy_full_
@@ -53,19 +55,47 @@ def is_hf_folder(path: str | os.PathLike) -> bool:
     return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
 
 
-def read_hf_folder(path: str | os.PathLike) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
-    """(model shape, trainlib-named full tensors) from an HF folder, sharded
-    (`model.safetensors.index.json`) or not."""
-    from safetensors.torch import load_file
+class HFWeights(Mapping[str, torch.Tensor]):
+    """An HF folder's weights by trainlib name, each read and put in
+    trainlib's layout when it is asked for. safetensors memory-maps the files
+    (the page cache, shared by a node's ranks, holds them), and the one copy a
+    weight may need (wq and wk's rotary permutation) lives until its caller
+    drops it: loading a model weight by weight costs a rank about one weight
+    of memory, not the model. (It cost every rank the permuted wq and wk of
+    all blocks: 72 GB for Llama 3.1 405B in bf16.)"""
 
+    def __init__(self, files: list[Path], args: ModelArgs):
+        from safetensors import safe_open
+
+        self.args = args
+        self._file_of: dict[str, Path] = {}
+        for f in files:
+            with safe_open(str(f), framework="pt") as handle:
+                self._file_of.update((name, f) for name in handle.keys())
+        self._hf_name = hf_weight_names(self._file_of, args)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        from safetensors import safe_open
+
+        theirs = self._hf_name[name]
+        with safe_open(str(self._file_of[theirs]), framework="pt") as handle:
+            return hf_weight_to_trainlib(name, handle.get_tensor(theirs), self.args)
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._hf_name)
+
+    def __len__(self) -> int:
+        return len(self._hf_name)
+
+
+def read_hf_folder(path: str | os.PathLike) -> tuple[ModelArgs, HFWeights]:
+    """(model shape, trainlib-named full tensors, read on access) from an HF
+    folder, sharded (`model.safetensors.index.json`) or not."""
     path = Path(path)
     if not is_hf_folder(path):
         raise ConfigError(f"{path} is not a Hugging Face checkpoint folder: expected config.json and *.safetensors")
     args = args_from_hf_config(json.loads((path / "config.json").read_text()))
-    hf: dict[str, torch.Tensor] = {}
-    for f in sorted(path.glob("*.safetensors")):
-        hf.update(load_file(str(f)))
-    return args, hf_to_trainlib(hf, args)
+    return args, HFWeights(sorted(path.glob("*.safetensors")), args)
 
 
 def write_hf_folder(sd: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | os.PathLike) -> Path:
@@ -93,9 +123,10 @@ def check_shapes(sd: dict[str, torch.Tensor], args: ModelArgs, expected: ModelAr
             "set model.flavor / model.n_layers / model.vocab_size to match")
 
 
-def load_full_state_into_model(model_parts: list[nn.Module], sd: dict[str, torch.Tensor]) -> None:
+def load_full_state_into_model(model_parts: list[nn.Module], sd: Mapping[str, torch.Tensor]) -> None:
     """Copy full (unsharded) tensors, keyed by canonical name, into possibly
-    sharded parameters: each rank keeps its own shard, no communication."""
+    sharded parameters: each rank keeps its own shard, no communication. One
+    tensor of `sd` is asked for at a time (`HFWeights` reads on access)."""
     for part in model_parts:
         for name, p in part.named_parameters():
             copy_full_(p, sd[canonical_name(name)])

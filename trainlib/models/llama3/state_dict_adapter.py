@@ -110,20 +110,28 @@ def hf_config_from_args(args: ModelArgs, dtype: str = "float32") -> dict:
 # --------------------------------------------------------------------------- weights
 
 
-def hf_to_trainlib(hf: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    sd = {}
-    for name, t in hf.items():
+def hf_weight_names(hf_names, args: ModelArgs) -> dict[str, str]:
+    """trainlib name -> HF name of every model weight among `hf_names`
+    (anything else, e.g. rotary inv_freq buffers of old exports, is left
+    out); a tied model's one matrix serves as `output.weight` too."""
+    names = {}
+    for name in hf_names:
         ours = from_hf_name(name)
-        if ours is None:
-            continue
-        if ours.endswith("attention.wq.weight"):
-            t = _hf_to_meta(t, args.n_heads)
-        elif ours.endswith("attention.wk.weight"):
-            t = _hf_to_meta(t, args.n_kv_heads)
-        sd[ours] = t
-    if "output.weight" not in sd and "tok_embeddings.weight" in sd:  # tied embeddings store one matrix
-        sd["output.weight"] = sd["tok_embeddings.weight"]
-    return sd
+        if ours is not None:
+            names[ours] = name
+    if "output.weight" not in names and "tok_embeddings.weight" in names:  # tied embeddings store one matrix
+        names["output.weight"] = names["tok_embeddings.weight"]
+    return names
+
+
+def hf_weight_to_trainlib(ours: str, t: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """The HF tensor of trainlib weight `ours` in trainlib's layout: wq and
+    wk rows permuted to adjacent rotary pairs, the rest as it is."""
+    if ours.endswith("attention.wq.weight"):
+        return _hf_to_meta(t, args.n_heads)
+    if ours.endswith("attention.wk.weight"):
+        return _hf_to_meta(t, args.n_kv_heads)
+    return t
 
 
 def trainlib_to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
