@@ -103,6 +103,14 @@ def test_meta_consolidated_pth_loads_into_a_model(tmp_path):
     assert all(torch.equal(a, b) for a, b in zip(run.state_dict().values(), dst.state_dict().values(), strict=True))
     with pytest.raises(ValueError, match="n_layers=2"):
         load_meta_into_model([dst], tmp_path, get_model_args("debug", n_layers=2))
+    # The head counts, which the weights alone cannot tell, come from params.json where there is one.
+    (tmp_path / "params.json").write_text(json.dumps({"dim": 64, "n_heads": 4, "n_kv_heads": 1}))
+    with pytest.raises(ValueError, match="n_heads=4 n_kv_heads=1 .* but this run builds .*n_kv_heads=2"):
+        load_meta_into_model([dst], tmp_path, args)
+    (tmp_path / "params.json").unlink()
+    dst.init_weights(seed=8)
+    load_meta_into_model([dst], tmp_path, args)
+    assert all(torch.equal(a, b) for a, b in zip(run.state_dict().values(), dst.state_dict().values(), strict=True))
 
 
 def test_weights_of_another_shape_or_format_are_refused_with_the_fix(tmp_path):

@@ -155,7 +155,6 @@ def load_meta_into_model(model_parts: list[nn.Module], path: str | os.PathLike, 
         raise ConfigError(f"{path} holds {len(files)} consolidated.*.pth files (model-parallel shards); only "
                           "single-file Meta checkpoints load directly: convert larger ones to HF format first")
     sd = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
-    sd = {k: v for k, v in sd.items() if not k.startswith("rope.")}
     if "output.weight" not in sd and "tok_embeddings.weight" in sd:
         sd["output.weight"] = sd["tok_embeddings.weight"]
     if expected is not None:
