@@ -5,6 +5,7 @@ from __future__ import annotations
 import base64
 import gzip
 import json
+import sys
 import warnings
 from pathlib import Path
 
@@ -156,6 +157,18 @@ def test_tokenizer_errors(kind, tmp_path):
         build_tokenizer(TokenizerConfig(kind=kind))
     with pytest.raises(ValueError, match=r"tokenizer\.path=.*does not exist"):
         build_tokenizer(TokenizerConfig(kind=kind, path=str(tmp_path / "missing.json")))
+
+
+@pytest.mark.parametrize("kind,package", [("hf", "tokenizers"), ("tiktoken", "tiktoken")])
+def test_a_tokenizer_whose_package_is_missing_is_a_config_error_naming_the_install(kind, package, tmp_path,
+                                                                                   monkeypatch):
+    from trainlib.errors import ConfigError
+
+    (tmp_path / "tok").write_text("{}")
+    monkeypatch.setitem(sys.modules, package, None)  # `import` of it raises ImportError
+    with pytest.raises(ConfigError, match=rf"tokenizer.kind='{kind}' needs the '{package}' package .*: "
+                                          rf"pip install {package}$"):
+        build_tokenizer(TokenizerConfig(kind=kind, path=str(tmp_path / "tok")))
 
 
 def test_a_tiktoken_file_that_is_not_one_is_refused_by_line(tmp_path):

@@ -106,10 +106,8 @@ class HFTokenizer:
         path = _require_file(path, "hf", "a Hugging Face tokenizer.json file")
         try:
             from tokenizers import Tokenizer as _HFTok
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError(
-                "tokenizer.kind='hf' needs the 'tokenizers' package: pip install tokenizers"
-            ) from e
+        except ImportError as e:  # the environment lacks an optional package: the user's to install
+            raise ConfigError(f"tokenizer.kind='hf' needs the 'tokenizers' package ({e}): pip install tokenizers") from e
         self.path = path
         self._tok = _HFTok.from_file(path)
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
@@ -203,10 +201,8 @@ class TiktokenTokenizer:
         path = _require_file(path, "tiktoken", "a Llama 3 style tiktoken tokenizer.model file")
         try:
             import tiktoken
-        except ImportError as e:  # pragma: no cover - depends on the environment
-            raise ImportError(
-                "tokenizer.kind='tiktoken' needs the 'tiktoken' package: pip install tiktoken"
-            ) from e
+        except ImportError as e:  # the environment lacks an optional package: the user's to install
+            raise ConfigError(f"tokenizer.kind='tiktoken' needs the 'tiktoken' package ({e}): pip install tiktoken") from e
         self.path = path
         ranks = _read_bpe_ranks(path)
         base = len(ranks)
