@@ -237,3 +237,44 @@ def test_hf_import_reads_and_converts_one_weight_at_a_time_and_casts_no_whole_co
     assert "aten.copy_.default" in ops.names and "aten._to_copy.default" not in ops.names, ops.names
     for (name, got), want in zip(dst.state_dict().items(), src.state_dict().values()):
         assert torch.equal(got, want.to(torch.bfloat16).float()), name
+
+
+def test_an_incomplete_hf_folder_is_refused_naming_what_it_lacks(tmp_path):
+    """A sharded folder missing a shard its index lists (an interrupted download), or a folder
+    missing some weight: a ConfigError before any weight is copied, not a KeyError mid-load."""
+    from safetensors.torch import load_file, save_file
+
+    from trainlib.checkpoint.hf import load_hf_into_model, write_hf_folder
+    from trainlib.errors import ConfigError
+    from trainlib.models.llama3 import get_model_args
+
+    args = get_model_args("debug", n_layers=2)
+    model = Transformer(args, rope_len=8)
+    model.init_weights(seed=0)
+    folder = tmp_path / "hf"
+    write_hf_folder(model.state_dict(), args, folder)
+    whole = load_file(folder / "model.safetensors")
+    (folder / "model.safetensors").unlink()
+    shards = {"model-00001-of-00002.safetensors": {k: v for k, v in whole.items() if ".layers.1." not in k},
+              "model-00002-of-00002.safetensors": {k: v for k, v in whole.items() if ".layers.1." in k}}
+    for name, tensors in shards.items():
+        save_file(tensors, folder / name)
+    (folder / "model.safetensors.index.json").write_text(json.dumps(
+        {"weight_map": {k: name for name, tensors in shards.items() for k in tensors}}))
+    dst = Transformer(args, rope_len=8)
+    dst.init_weights(seed=1)
+    load_hf_into_model([dst], folder, args)  # whole: loads
+    assert all(torch.equal(a, b) for a, b in zip(dst.state_dict().values(), model.state_dict().values(), strict=True))
+
+    (folder / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(ConfigError, match=r"lists 1 file\(s\) the folder lacks \(model-00002-of-00002.safetensors\): "
+                                          "an incomplete download"):
+        load_hf_into_model([dst], folder, args)
+    (folder / "model.safetensors.index.json").unlink()  # no index to tell: the weights themselves are missing
+    before = {k: v.clone() for k, v in dst.state_dict().items()}
+    with pytest.raises(ConfigError, match=r"HF checkpoint .* lacks 9 weight\(s\) this model has "
+                                          r"\(layers.1.attention_norm.weight, .*, \.\.\.\): point checkpoint"):
+        load_hf_into_model([Transformer(args, rope_len=8)], folder, args)
+    with pytest.raises(ConfigError, match="lacks 9 weight"):
+        load_hf_into_model([dst], folder, args)
+    assert all(torch.equal(before[k], v) for k, v in dst.state_dict().items())  # nothing copied

@@ -81,6 +81,9 @@ class HFWeights(Mapping[str, torch.Tensor]):
         with safe_open(str(self._file_of[theirs]), framework="pt") as handle:
             return hf_weight_to_trainlib(name, handle.get_tensor(theirs), self.args)
 
+    def __contains__(self, name: object) -> bool:  # Mapping's would read the tensor
+        return name in self._hf_name
+
     def __iter__(self) -> Iterator[str]:
         return iter(self._hf_name)
 
@@ -95,6 +98,12 @@ def read_hf_folder(path: str | os.PathLike) -> tuple[ModelArgs, HFWeights]:
     if not is_hf_folder(path):
         raise ConfigError(f"{path} is not a Hugging Face checkpoint folder: expected config.json and *.safetensors")
     args = args_from_hf_config(json.loads((path / "config.json").read_text()))
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        absent = sorted({f for f in json.loads(index.read_text())["weight_map"].values() if not (path / f).is_file()})
+        if absent:
+            raise ConfigError(f"{index} lists {len(absent)} file(s) the folder lacks ({', '.join(absent[:3])}"
+                              f"{', ...' if len(absent) > 3 else ''}): an incomplete download or copy; fetch them")
     return args, HFWeights(sorted(path.glob("*.safetensors")), args)
 
 
@@ -123,20 +132,26 @@ def check_shapes(sd: dict[str, torch.Tensor], args: ModelArgs, expected: ModelAr
             "set model.flavor / model.n_layers / model.vocab_size to match")
 
 
-def load_full_state_into_model(model_parts: list[nn.Module], sd: Mapping[str, torch.Tensor]) -> None:
+def load_full_state_into_model(model_parts: list[nn.Module], sd: Mapping[str, torch.Tensor], source: str) -> None:
     """Copy full (unsharded) tensors, keyed by canonical name, into possibly
     sharded parameters: each rank keeps its own shard, no communication. One
-    tensor of `sd` is asked for at a time (`HFWeights` reads on access)."""
-    for part in model_parts:
-        for name, p in part.named_parameters():
-            copy_full_(p, sd[canonical_name(name)])
+    tensor of `sd` is asked for at a time (`HFWeights` reads on access). A
+    weight `source` lacks is a ConfigError, before any is copied."""
+    params = [(canonical_name(name), p) for part in model_parts for name, p in part.named_parameters()]
+    lacking = [name for name, _ in params if name not in sd]
+    if lacking:
+        raise ConfigError(f"{source} lacks {len(lacking)} weight(s) this model has ({', '.join(lacking[:3])}"
+                          f"{', ...' if len(lacking) > 3 else ''}): point checkpoint.initial_load_path at a whole "
+                          "checkpoint of this model")
+    for name, p in params:
+        copy_full_(p, sd[name])
 
 
 def load_hf_into_model(model_parts: list[nn.Module], path: str | os.PathLike, expected: Any = None) -> None:
     args, sd = read_hf_folder(path)
     if expected is not None:
         check_shapes(sd, args, expected, f"HF checkpoint {path}")
-    load_full_state_into_model(model_parts, sd)
+    load_full_state_into_model(model_parts, sd, f"HF checkpoint {path}")
 
 
 # --------------------------------------------------------------------------- Meta format
@@ -171,5 +186,5 @@ def load_meta_into_model(model_parts: list[nn.Module], path: str | os.PathLike, 
         args = ModelArgs(dim=w1.shape[1], n_layers=n_layers, n_heads=heads, n_kv_heads=kv, ffn_dim=w1.shape[0],
                          vocab_size=sd["tok_embeddings.weight"].shape[0])
         check_shapes(sd, args, expected, f"Meta checkpoint {path}")
-    load_full_state_into_model(model_parts, sd)
+    load_full_state_into_model(model_parts, sd, f"Meta checkpoint {path}")
 
