@@ -1,14 +1,16 @@
 """Convert checkpoints between Hugging Face safetensors and trainlib's DCP format.
 
     python -m trainlib.convert hf-to-dcp HF_DIR OUT_DIR
-    python -m trainlib.convert dcp-to-hf CHECKPOINT_DIR OUT_DIR [--flavor F] [--dtype bfloat16]
+    python -m trainlib.convert dcp-to-hf CHECKPOINT_DIR OUT_DIR [--flavor F] [--dtype bfloat16] [--max-shard-gb 5]
 
 hf-to-dcp reads config.json and every *.safetensors file (sharded or not) and
 writes a DCP checkpoint holding the model (start training from it with
 `checkpoint.initial_load_path=OUT_DIR`). dcp-to-hf reads a (possibly sharded)
 trainlib checkpoint in this one process, without GPUs or a process group, and
-writes one consolidated `model.safetensors` and a `config.json` that
-`transformers.LlamaForCausalLM.from_pretrained` loads. The model shape comes
+writes `config.json` and the weights in safetensors files of at most
+`--max-shard-gb` (one `model.safetensors`, or numbered files and their index,
+as transformers writes them), reading one file's worth of weights at a time;
+`transformers.LlamaForCausalLM.from_pretrained` loads the folder. The model shape comes
 from `--flavor`, else from the checkpoint itself, else from the run's saved
 config.toml two folders up. The conversions live in `trainlib.checkpoint.convert`.
 """
@@ -22,6 +24,7 @@ from pathlib import Path
 import torch
 
 from trainlib.checkpoint.convert import dcp_to_hf, hf_to_dcp, saved_model_args
+from trainlib.checkpoint.hf import HF_SHARD_BYTES
 from trainlib.errors import ConfigError
 from trainlib.models.llama3.model import ModelArgs, get_model_args
 
@@ -47,6 +50,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("out_dir")
     b.add_argument("--flavor", default=None, help="model flavor, when the checkpoint does not record its shape")
     b.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="cast on export")
+    b.add_argument("--max-shard-gb", type=float, default=HF_SHARD_BYTES / 10**9,
+                   help="the most one safetensors file holds, in GB (10^9 bytes); memory holds about one file")
     ns = p.parse_args(argv)
     try:
         if ns.cmd == "hf-to-dcp":
@@ -63,8 +68,12 @@ def main(argv: list[str] | None = None) -> int:
                                   "up: pass --flavor")
         else:
             args = None  # the checkpoint's own
-        out = dcp_to_hf(ckpt, ns.out_dir, args, getattr(torch, ns.dtype) if ns.dtype else None)
-        print(f"wrote {out / 'model.safetensors'} and {out / 'config.json'}")
+        if not ns.max_shard_gb > 0:
+            raise ConfigError(f"--max-shard-gb must be > 0, got {ns.max_shard_gb}")
+        out = dcp_to_hf(ckpt, ns.out_dir, args, getattr(torch, ns.dtype) if ns.dtype else None,
+                        max_shard_bytes=int(ns.max_shard_gb * 10**9))
+        files = sorted(out.glob("*.safetensors"))
+        print(f"wrote {len(files)} safetensors file(s) and config.json to {out}")
     except (ConfigError, FileNotFoundError) as e:  # a bad path or folder; anything else keeps its traceback
         print(f"trainlib.convert: error: {e}", file=sys.stderr)
         return 2

@@ -278,3 +278,49 @@ def test_an_incomplete_hf_folder_is_refused_naming_what_it_lacks(tmp_path):
     with pytest.raises(ConfigError, match="lacks 9 weight"):
         load_hf_into_model([dst], folder, args)
     assert all(torch.equal(before[k], v) for k, v in dst.state_dict().items())  # nothing copied
+
+
+def test_dcp_to_hf_writes_files_of_a_bounded_size_reading_one_file_of_weights_at_a_time(tmp_path, monkeypatch):
+    """The export never holds the model: it reads one output file's weights from the checkpoint,
+    writes that file and drops them (a 405B checkpoint is 1.6 TB in fp32). The files and their index
+    are transformers' sharded layout; a later export into the folder replaces them all."""
+    import torch.distributed.checkpoint as dcp
+    from safetensors.torch import load_file
+
+    from trainlib.checkpoint.convert import DCPWeights, dcp_to_hf
+    from trainlib.checkpoint.hf import read_hf_folder
+    from trainlib.checkpoint.state import TrainState
+    from trainlib.models.llama3 import get_model_args
+
+    args = get_model_args("debug", n_layers=3)
+    model = Transformer(args, rope_len=8)
+    model.init_weights(seed=0)
+    dcp.save({"model": model.state_dict(), "trainer": TrainState(model_args=args)},
+             checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    read, limit = [], 75_000  # bytes of bf16 files; a block is 98,560 in bf16, embedding and output 65,536 each
+
+    def recording(self, names):
+        got = read_many(self, names)
+        read.append(sum(t.numel() * t.element_size() for t in got.values()))
+        return got
+
+    read_many = DCPWeights.read_many
+    monkeypatch.setattr(DCPWeights, "read_many", recording)
+    out = dcp_to_hf(tmp_path / "ckpt", tmp_path / "hf", max_shard_bytes=limit, dtype=torch.bfloat16)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    n = len(files)
+    assert n >= 6 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert sorted(p.name for p in out.glob("*.safetensors")) == files and len(read) == n
+    # Each read is one file's weights (in fp32, the file's twice) and each file within the limit.
+    sizes = [sum(t.numel() * t.element_size() for t in load_file(out / f).values()) for f in files]
+    assert read == [2 * s for s in sizes] and all(s <= limit for s in sizes), (sizes, limit)
+    assert index["metadata"]["total_size"] == sum(sizes)
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    _, back = read_hf_folder(out)
+    assert set(back) == set(model.state_dict())
+    for name, want in model.state_dict().items():
+        assert torch.equal(back[name], want.to(torch.bfloat16)), name
+
+    dcp_to_hf(tmp_path / "ckpt", out)  # default size: one file, and none of the others left behind
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]

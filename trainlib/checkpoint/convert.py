@@ -1,12 +1,14 @@
 """Hugging Face safetensors <-> trainlib DCP checkpoints, in one process.
 
-No GPUs and no process group: a (possibly sharded) checkpoint is read whole
-from disk. `python -m trainlib.convert` is the command line over these.
+No GPUs and no process group: a (possibly sharded) checkpoint is read from
+disk in this one process, one HF file's worth of weights at a time.
+`python -m trainlib.convert` is the command line over these.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -14,7 +16,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainlib.checkpoint.hf import args_from_dict, read_hf_folder, write_hf_folder
+from trainlib.checkpoint.hf import HF_SHARD_BYTES, args_from_dict, read_hf_folder, write_hf_folder
 from trainlib.checkpoint.state import TrainState
 from trainlib.errors import ConfigError
 from trainlib.models.llama3.model import ModelArgs
@@ -47,28 +49,69 @@ def saved_model_args(ckpt_dir: str | os.PathLike) -> ModelArgs | None:
     return args_from_dict({k[len(_ARGS_PREFIX):]: v for k, v in sd.items()})
 
 
+class DCPWeights(Mapping[str, torch.Tensor]):
+    """A DCP checkpoint's model tensors by trainlib name, read from disk when
+    asked for: `read_many(names)` reads several in one pass (only their bytes),
+    `spec(name)` gives a shape and dtype without reading. The checkpoint's
+    metadata is read once."""
+
+    def __init__(self, ckpt_dir: str | os.PathLike):
+        self._reader = _OneMetadataReader(str(ckpt_dir))
+        meta = _metadata(Path(ckpt_dir))
+        self._specs = {k[len("model."):]: (m.size, m.properties.dtype) for k, m in meta.items()
+                       if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
+        if not self._specs:
+            raise ConfigError(f"{ckpt_dir} holds no model tensors (keys model.*): not a trainlib checkpoint")
+
+    def spec(self, name: str) -> tuple[torch.Size, torch.dtype]:
+        return self._specs[name]
+
+    def read_many(self, names) -> dict[str, torch.Tensor]:
+        sd = {f"model.{n}": torch.empty(self._specs[n][0], dtype=self._specs[n][1]) for n in names}
+        dcp.load(sd, storage_reader=self._reader, no_dist=True)
+        return {k[len("model."):]: v for k, v in sd.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        return self.read_many([name])[name]
+
+    def __contains__(self, name: object) -> bool:  # Mapping's would read the tensor
+        return name in self._specs
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._specs)
+
+    def __len__(self) -> int:
+        return len(self._specs)
+
+
+class _OneMetadataReader(FileSystemReader):
+    """Reads `.metadata` once for all the loads of one conversion (a large
+    checkpoint's metadata lists every rank's chunk of every tensor)."""
+
+    def read_metadata(self, *args, **kwargs):
+        if not hasattr(self, "_metadata_once"):
+            self._metadata_once = super().read_metadata(*args, **kwargs)
+        return self._metadata_once
+
+
 def read_dcp_model(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     """Full model tensors by trainlib name, read in this process from however
-    many shards the checkpoint has."""
-    meta = _metadata(Path(ckpt_dir))
-    sd = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in meta.items()
-          if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-    if not sd:
-        raise ConfigError(f"{ckpt_dir} holds no model tensors (keys model.*): not a trainlib checkpoint")
-    dcp.load(sd, checkpoint_id=str(ckpt_dir), no_dist=True)
-    return {k[len("model."):]: v for k, v in sd.items()}
+    many shards the checkpoint has: all of them at once (`DCPWeights` reads
+    some at a time)."""
+    weights = DCPWeights(ckpt_dir)
+    return weights.read_many(list(weights))
 
 
 def dcp_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, args: ModelArgs | None = None,
-              dtype: torch.dtype | None = None) -> Path:
-    """One consolidated `model.safetensors` + `config.json` that
+              dtype: torch.dtype | None = None, max_shard_bytes: int = HF_SHARD_BYTES) -> Path:
+    """An HF folder (`config.json` and safetensors files of at most
+    `max_shard_bytes`, `write_hf_folder`) that
     `transformers.LlamaForCausalLM.from_pretrained` loads. The shape is `args`
-    if given, else the one the checkpoint records."""
+    if given, else the one the checkpoint records. Read and written one file's
+    worth of weights at a time: memory holds one file's weights, not the
+    model (a Llama 3.1 405B checkpoint is 1.6 TB in fp32)."""
     if args is None:
         args = saved_model_args(ckpt_dir)
         if args is None:
             raise ConfigError(f"{ckpt_dir} does not record the model shape: give it (--flavor)")
-    sd = read_dcp_model(ckpt_dir)
-    if dtype is not None:
-        sd = {k: v.to(dtype) for k, v in sd.items()}
-    return write_hf_folder(sd, args, out_dir)
+    return write_hf_folder(DCPWeights(ckpt_dir), args, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)

@@ -23,9 +23,15 @@ from trainlib.models.llama3.state_dict_adapter import (
     hf_config_from_args,
     hf_weight_names,
     hf_weight_to_trainlib,
-    trainlib_to_hf,
+    trainlib_weight_names,
+    trainlib_weight_to_hf,
 )
 from trainlib.params import canonical_name, copy_full_
+
+
+_INDEX = "model.safetensors.index.json"
+# What one file of an exported folder holds at most (transformers' save_pretrained shards at 5 GB too).
+HF_SHARD_BYTES = 5 * 10**9
 
 
 def args_from_dict(d: dict) -> ModelArgs:
@@ -98,26 +104,84 @@ def read_hf_folder(path: str | os.PathLike) -> tuple[ModelArgs, HFWeights]:
     if not is_hf_folder(path):
         raise ConfigError(f"{path} is not a Hugging Face checkpoint folder: expected config.json and *.safetensors")
     args = args_from_hf_config(json.loads((path / "config.json").read_text()))
-    index = path / "model.safetensors.index.json"
-    if index.is_file():
-        absent = sorted({f for f in json.loads(index.read_text())["weight_map"].values() if not (path / f).is_file()})
-        if absent:
-            raise ConfigError(f"{index} lists {len(absent)} file(s) the folder lacks ({', '.join(absent[:3])}"
-                              f"{', ...' if len(absent) > 3 else ''}): an incomplete download or copy; fetch them")
-    return args, HFWeights(sorted(path.glob("*.safetensors")), args)
+    index = path / _INDEX
+    if not index.is_file():
+        return args, HFWeights(sorted(path.glob("*.safetensors")), args)
+    listed = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    absent = [f for f in listed if not (path / f).is_file()]
+    if absent:
+        raise ConfigError(f"{index} lists {len(absent)} file(s) the folder lacks ({', '.join(absent[:3])}"
+                          f"{', ...' if len(absent) > 3 else ''}): an incomplete download or copy; fetch them")
+    return args, HFWeights([path / f for f in listed], args)  # the index's files: others may be stale
 
 
-def write_hf_folder(sd: dict[str, torch.Tensor], args: ModelArgs, out_dir: str | os.PathLike) -> Path:
-    """One consolidated `model.safetensors` + `config.json`."""
+def write_hf_folder(sd: Mapping[str, torch.Tensor], args: ModelArgs, out_dir: str | os.PathLike, *,
+                    dtype: torch.dtype | None = None, max_shard_bytes: int = HF_SHARD_BYTES) -> Path:
+    """`config.json` and the weights in safetensors files of at most
+    `max_shard_bytes` each (a bigger tensor gets a file of its own): one
+    `model.safetensors`, or `model-0000i-of-0000n.safetensors` and their
+    `model.safetensors.index.json`, as transformers writes them. Weights are
+    cast to `dtype` (default: their own) and asked of `sd` one file's worth
+    at a time: with a Mapping that reads on access (`DCPWeights`, or one
+    with a `read_many(names)`), memory holds one file's weights (in their
+    own dtype, and cast), not the model. Files of an earlier export in
+    `out_dir` are replaced."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hf = trainlib_to_hf(sd, args)
-    dtype = str(next(iter(hf.values())).dtype).replace("torch.", "")
-    save_file(hf, str(out / "model.safetensors"), metadata={"format": "pt"})
-    (out / "config.json").write_text(json.dumps(hf_config_from_args(args, dtype), indent=2) + "\n")
+    hf_name = trainlib_weight_names(sd, args)
+    names = sorted(hf_name, key=_file_order)
+    specs = {name: _spec(sd, name) for name in names}
+    out_dtype = dtype or specs[names[0]][1]
+    files = _shards(names, lambda n: specs[n][0].numel() * out_dtype.itemsize, max_shard_bytes)
+    file_names = ["model.safetensors"] if len(files) == 1 else [
+        f"model-{i:05d}-of-{len(files):05d}.safetensors" for i in range(1, len(files) + 1)]
+    for stale in [out / _INDEX, *out.glob("model.safetensors"), *out.glob("model-*-of-*.safetensors")]:
+        stale.unlink(missing_ok=True)
+    weight_map, total = {}, 0
+    for file_name, file in zip(file_names, files):
+        tensors = sd.read_many(file) if hasattr(sd, "read_many") else {name: sd[name] for name in file}
+        hf = {hf_name[name]: trainlib_weight_to_hf(name, t.to(out_dtype), args).contiguous()
+              for name, t in tensors.items()}
+        del tensors
+        save_file(hf, str(out / file_name), metadata={"format": "pt"})
+        weight_map.update(dict.fromkeys(hf, file_name))
+        total += sum(t.numel() * t.element_size() for t in hf.values())
+        del hf
+    if len(files) > 1:
+        (out / _INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
+                                  + "\n")
+    config = hf_config_from_args(args, str(out_dtype).replace("torch.", ""))
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
+
+
+def _spec(sd: Mapping[str, torch.Tensor], name: str) -> tuple[torch.Size, torch.dtype]:
+    """Shape and dtype of `sd[name]`, without reading it where `sd` can tell (`spec`)."""
+    if hasattr(sd, "spec"):
+        return sd.spec(name)
+    return sd[name].shape, sd[name].dtype
+
+
+def _file_order(name: str) -> tuple:
+    """Embedding, blocks in order, final norm, output: files hold neighbouring blocks."""
+    parts = name.split(".")
+    if parts[0] == "layers":
+        return (1, int(parts[1]), name)
+    return (0 if parts[0] == "tok_embeddings" else 2, 0, name)
+
+
+def _shards(names: list[str], nbytes, limit: int) -> list[list[str]]:
+    files: list[list[str]] = [[]]
+    size = 0
+    for name in names:
+        if files[-1] and size + nbytes(name) > limit:
+            files.append([])
+            size = 0
+        files[-1].append(name)
+        size += nbytes(name)
+    return files
 
 
 def check_shapes(sd: dict[str, torch.Tensor], args: ModelArgs, expected: ModelArgs, source: str) -> None:

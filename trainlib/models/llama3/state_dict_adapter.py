@@ -134,14 +134,17 @@ def hf_weight_to_trainlib(ours: str, t: torch.Tensor, args: ModelArgs) -> torch.
     return t
 
 
-def trainlib_to_hf(sd: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-    hf = {}
-    for name, t in sd.items():
-        if name == "output.weight" and args.tie_embeddings:
-            continue
-        if name.endswith("attention.wq.weight"):
-            t = _meta_to_hf(t, args.n_heads)
-        elif name.endswith("attention.wk.weight"):
-            t = _meta_to_hf(t, args.n_kv_heads)
-        hf[to_hf_name(name)] = t.contiguous()
-    return hf
+def trainlib_weight_names(names, args: ModelArgs) -> dict[str, str]:
+    """HF name of every trainlib weight among `names` that an HF folder
+    stores: a tied model stores one matrix, the embedding."""
+    return {name: to_hf_name(name) for name in names if not (name == "output.weight" and args.tie_embeddings)}
+
+
+def trainlib_weight_to_hf(name: str, t: torch.Tensor, args: ModelArgs) -> torch.Tensor:
+    """Trainlib weight `name` in HF's layout: wq and wk rows permuted to
+    rotate-half order, the rest as it is."""
+    if name.endswith("attention.wq.weight"):
+        return _meta_to_hf(t, args.n_heads)
+    if name.endswith("attention.wk.weight"):
+        return _meta_to_hf(t, args.n_kv_heads)
+    return t
