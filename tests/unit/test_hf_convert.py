@@ -104,8 +104,8 @@ def test_meta_consolidated_pth_loads_into_a_model(tmp_path):
     with pytest.raises(ValueError, match="n_layers=2"):
         load_meta_into_model([dst], tmp_path, get_model_args("debug", n_layers=2))
     # The head counts, which the weights alone cannot tell, come from params.json where there is one.
-    (tmp_path / "params.json").write_text(json.dumps({"dim": 64, "n_heads": 4, "n_kv_heads": 1}))
-    with pytest.raises(ValueError, match="n_heads=4 n_kv_heads=1 .* but this run builds .*n_kv_heads=2"):
+    (tmp_path / "params.json").write_text(json.dumps({"dim": 64, "n_heads": 8, "n_kv_heads": 1}))
+    with pytest.raises(ValueError, match="n_heads=8 n_kv_heads=1 .* but this run builds .*n_heads=4 n_kv_heads=2"):
         load_meta_into_model([dst], tmp_path, args)
     (tmp_path / "params.json").unlink()
     dst.init_weights(seed=8)
@@ -324,3 +324,25 @@ def test_dcp_to_hf_writes_files_of_a_bounded_size_reading_one_file_of_weights_at
 
     dcp_to_hf(tmp_path / "ckpt", out)  # default size: one file, and none of the others left behind
     assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
+def test_a_tied_checkpoint_starts_an_untied_model_with_its_output_as_the_embedding(tmp_path):
+    """HF and Meta folders of a tied model (Llama 3.2 1B/3B) store one matrix; an untied model
+    of that shape starts with both its embedding and its output projection from it."""
+    from trainlib.checkpoint.hf import load_hf_into_model, load_meta_into_model, write_hf_folder
+    from trainlib.models.llama3 import get_model_args
+
+    tied_args = get_model_args("debug", n_layers=2, tie_embeddings=True)
+    tied = Transformer(tied_args, rope_len=8)
+    tied.init_weights(seed=0)
+    write_hf_folder(tied.state_dict(), tied_args, tmp_path / "hf")
+    (tmp_path / "meta").mkdir()
+    torch.save({k: v for k, v in tied.state_dict().items() if k != "output.weight"},
+               tmp_path / "meta" / "consolidated.00.pth")
+    args = get_model_args("debug", n_layers=2)
+    for load, folder in ((load_hf_into_model, "hf"), (load_meta_into_model, "meta")):
+        untied = Transformer(args, rope_len=8)
+        untied.init_weights(seed=1)
+        load([untied], tmp_path / folder, args)
+        assert torch.equal(untied.output.weight, tied.tok_embeddings.weight), folder
+        assert torch.equal(untied.tok_embeddings.weight, tied.tok_embeddings.weight), folder

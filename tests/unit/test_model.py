@@ -6,7 +6,6 @@ import torch
 from trainlib.models import count_params
 from trainlib.params import canonical_name
 from trainlib.models.llama3 import (
-    FLAVORS,
     Transformer,
     flops_per_token,
     get_model_args,
@@ -123,11 +122,16 @@ def test_unknown_flavor_suggests():
         get_model_args("llama3.1_8")
 
 
-def test_gqa_rule():
-    with pytest.raises(ValueError, match="multiple of n_kv_heads"):
-        from dataclasses import replace
-
-        replace(FLAVORS["debug"], n_kv_heads=3).validate()
+@pytest.mark.parametrize("overrides,message", [
+    ({"n_kv_heads": 3}, r"n_heads \(4\) must be a multiple of n_kv_heads \(3\) for GQA"),
+    ({"n_layers": 0}, r"model.n_layers must be >= 1, got 0"),
+    ({"vocab_size": 0}, r"model.vocab_size must be >= 1, got 0"),
+    ({"dim": 66}, r"model.dim \(66\) must be divisible by n_heads \(4\)"),
+    ({"dim": 12}, r"head_dim \(3\) must be even for rotary embeddings"),
+])
+def test_shape_rules(overrides, message):
+    with pytest.raises(ValueError, match=message):
+        get_model_args("debug", **overrides)
 
 
 def test_flops_per_token_8b():
