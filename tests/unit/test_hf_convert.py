@@ -283,7 +283,10 @@ def test_an_incomplete_hf_folder_is_refused_naming_what_it_lacks(tmp_path):
 def test_dcp_to_hf_writes_files_of_a_bounded_size_reading_one_file_of_weights_at_a_time(tmp_path, monkeypatch):
     """The export never holds the model: it reads one output file's weights from the checkpoint,
     writes that file and drops them (a 405B checkpoint is 1.6 TB in fp32). The files and their index
-    are transformers' sharded layout; a later export into the folder replaces them all."""
+    are transformers' sharded layout, neighbouring blocks in the same or the next file (blocks 2 and
+    10 are not neighbours); a later export into the folder replaces them all."""
+    import weakref
+
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
 
@@ -292,16 +295,19 @@ def test_dcp_to_hf_writes_files_of_a_bounded_size_reading_one_file_of_weights_at
     from trainlib.checkpoint.state import TrainState
     from trainlib.models.llama3 import get_model_args
 
-    args = get_model_args("debug", n_layers=3)
+    args = get_model_args("debug", n_layers=12)
     model = Transformer(args, rope_len=8)
     model.init_weights(seed=0)
     dcp.save({"model": model.state_dict(), "trainer": TrainState(model_args=args)},
              checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     read, limit = [], 75_000  # bytes of bf16 files; a block is 98,560 in bf16, embedding and output 65,536 each
+    earlier: list[weakref.ref] = []
 
     def recording(self, names):
+        assert all(ref() is None for ref in earlier), "a file's weights outlived its file"
         got = read_many(self, names)
         read.append(sum(t.numel() * t.element_size() for t in got.values()))
+        earlier.extend(weakref.ref(t) for t in got.values())
         return got
 
     read_many = DCPWeights.read_many
@@ -310,7 +316,10 @@ def test_dcp_to_hf_writes_files_of_a_bounded_size_reading_one_file_of_weights_at
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     n = len(files)
-    assert n >= 6 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    assert n >= 12 and files == [f"model-{i:05d}-of-{n:05d}.safetensors" for i in range(1, n + 1)]
+    file_of_block = [sorted({files.index(f) for k, f in index["weight_map"].items() if f".layers.{i}." in k})
+                     for i in range(12)]
+    assert all(a[-1] <= b[0] <= a[-1] + 1 for a, b in zip(file_of_block, file_of_block[1:])), file_of_block
     assert sorted(p.name for p in out.glob("*.safetensors")) == files and len(read) == n
     # Each read is one file's weights (in fp32, the file's twice) and each file within the limit.
     sizes = [sum(t.numel() * t.element_size() for t in load_file(out / f).values()) for f in files]
