@@ -8,7 +8,6 @@ disk in this one process, one HF file's worth of weights at a time.
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
 from pathlib import Path
 
 import torch
@@ -16,7 +15,7 @@ import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainlib.checkpoint.hf import HF_SHARD_BYTES, args_from_dict, read_hf_folder, write_hf_folder
+from trainlib.checkpoint.hf import HF_SHARD_BYTES, LazyWeights, args_from_dict, read_hf_folder, write_hf_folder
 from trainlib.checkpoint.state import TrainState
 from trainlib.errors import ConfigError
 from trainlib.models.llama3.model import ModelArgs
@@ -49,7 +48,7 @@ def saved_model_args(ckpt_dir: str | os.PathLike) -> ModelArgs | None:
     return args_from_dict({k[len(_ARGS_PREFIX):]: v for k, v in sd.items()})
 
 
-class DCPWeights(Mapping[str, torch.Tensor]):
+class DCPWeights(LazyWeights):
     """A DCP checkpoint's model tensors by trainlib name, read from disk when
     asked for: `read_many(names)` reads several in one pass (only their bytes),
     `spec(name)` gives a shape and dtype without reading. The checkpoint's
@@ -58,30 +57,22 @@ class DCPWeights(Mapping[str, torch.Tensor]):
     def __init__(self, ckpt_dir: str | os.PathLike):
         self._reader = _OneMetadataReader(str(ckpt_dir))
         meta = _metadata(Path(ckpt_dir))
-        self._specs = {k[len("model."):]: (m.size, m.properties.dtype) for k, m in meta.items()
+        self._names = {k[len("model."):]: (m.size, m.properties.dtype) for k, m in meta.items()
                        if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
-        if not self._specs:
+        if not self._names:
             raise ConfigError(f"{ckpt_dir} holds no model tensors (keys model.*): not a trainlib checkpoint")
 
     def spec(self, name: str) -> tuple[torch.Size, torch.dtype]:
-        return self._specs[name]
+        return self._names[name]
 
     def read_many(self, names) -> dict[str, torch.Tensor]:
-        sd = {f"model.{n}": torch.empty(self._specs[n][0], dtype=self._specs[n][1]) for n in names}
+        sd = {f"model.{n}": torch.empty(self._names[n][0], dtype=self._names[n][1]) for n in names}
         dcp.load(sd, storage_reader=self._reader, no_dist=True)
         return {k[len("model."):]: v for k, v in sd.items()}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.read_many([name])[name]
 
-    def __contains__(self, name: object) -> bool:  # Mapping's would read the tensor
-        return name in self._specs
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._specs)
-
-    def __len__(self) -> int:
-        return len(self._specs)
 
 
 class _OneMetadataReader(FileSystemReader):

@@ -61,7 +61,23 @@ def is_hf_folder(path: str | os.PathLike) -> bool:
     return (p / "config.json").is_file() and any(p.glob("*.safetensors"))
 
 
-class HFWeights(Mapping[str, torch.Tensor]):
+class LazyWeights(Mapping[str, torch.Tensor]):
+    """Weights by trainlib name, each read from disk when it is asked for;
+    the names (`_names`) are known without reading any."""
+
+    _names: dict[str, Any]
+
+    def __contains__(self, name: object) -> bool:  # Mapping's would read the tensor
+        return name in self._names
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._names)
+
+    def __len__(self) -> int:
+        return len(self._names)
+
+
+class HFWeights(LazyWeights):
     """An HF folder's weights by trainlib name, each read and put in
     trainlib's layout when it is asked for. safetensors memory-maps the files
     (the page cache, shared by a node's ranks, holds them), and the one copy a
@@ -78,23 +94,15 @@ class HFWeights(Mapping[str, torch.Tensor]):
         for f in files:
             with safe_open(str(f), framework="pt") as handle:
                 self._file_of.update((name, f) for name in handle.keys())
-        self._hf_name = hf_weight_names(self._file_of, args)
+        self._names = hf_weight_names(self._file_of, args)  # trainlib name -> HF name
 
     def __getitem__(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
 
-        theirs = self._hf_name[name]
+        theirs = self._names[name]
         with safe_open(str(self._file_of[theirs]), framework="pt") as handle:
             return hf_weight_to_trainlib(name, handle.get_tensor(theirs), self.args)
 
-    def __contains__(self, name: object) -> bool:  # Mapping's would read the tensor
-        return name in self._hf_name
-
-    def __iter__(self) -> Iterator[str]:
-        return iter(self._hf_name)
-
-    def __len__(self) -> int:
-        return len(self._hf_name)
 
 
 def read_hf_folder(path: str | os.PathLike) -> tuple[ModelArgs, HFWeights]:
