@@ -324,6 +324,7 @@ def test_dcp_to_hf_writes_files_of_a_bounded_size_reading_one_file_of_weights_at
     # Each read is one file's weights (in fp32, the file's twice) and each file within the limit.
     sizes = [sum(t.numel() * t.element_size() for t in load_file(out / f).values()) for f in files]
     assert read == [2 * s for s in sizes] and all(s <= limit for s in sizes), (sizes, limit)
+    assert all(a + b > limit for a, b in zip(sizes, sizes[1:])), sizes  # filled: no two neighbours would fit in one
     assert index["metadata"]["total_size"] == sum(sizes)
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     _, back = read_hf_folder(out)
