@@ -31,6 +31,11 @@ def test_dcp_to_hf_takes_the_shape_from_the_run_config_when_the_checkpoint_lacks
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)  # no trainer.model_args
     assert main(["dcp-to-hf", str(ckpt), str(tmp_path / "out")]) == 2
     assert "does not record the model shape" in capsys.readouterr().err
+    from trainlib.checkpoint.convert import dcp_to_hf
+    from trainlib.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="does not record the model shape: give it"):
+        dcp_to_hf(ckpt, tmp_path / "out")
     cfg = JobConfig()
     cfg.model.n_layers = 2
     save_config(cfg, tmp_path / "run" / "config.toml")
@@ -329,6 +334,7 @@ def test_dcp_to_hf_writes_files_of_a_bounded_size_reading_one_file_of_weights_at
     assert json.loads((out / "config.json").read_text())["torch_dtype"] == "bfloat16"
     _, back = read_hf_folder(out)
     assert set(back) == set(model.state_dict())
+    assert torch.equal(DCPWeights(tmp_path / "ckpt")["layers.11.ffn_norm.weight"], model.layers["11"].ffn_norm.weight)
     for name, want in model.state_dict().items():
         assert torch.equal(back[name], want.to(torch.bfloat16)), name
 

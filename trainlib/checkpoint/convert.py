@@ -28,7 +28,6 @@ def hf_to_dcp(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> ModelArg
     checkpoint holding the model and its shape; start training from it with
     `checkpoint.initial_load_path=OUT_DIR`."""
     args, sd = read_hf_folder(hf_dir)
-    Path(out_dir).mkdir(parents=True, exist_ok=True)
     dcp.save({"model": dict(sd), "trainer": TrainState(model_args=args)}, checkpoint_id=str(out_dir), no_dist=True)
     return args
 
