@@ -10,10 +10,10 @@ bf16 HF folder, then materialises an fp32 model and loads the folder into it as
 once as an fp32 DCP checkpoint (as training saves it), then converts that to an
 HF folder as `checkpoint.export_hf` and `trainlib.convert dcp-to-hf` do
 (`dcp_to_hf`), in files of at most `--shard-mb` (the default 5 GB of a real
-export would hold this whole model in one file). Either samples the process's anonymous resident memory every
-2 ms and reports the peak growth over the memory before the operation (files
-read through memory maps are page cache, shared by a node's ranks, not counted)
-and its wall time.
+export would hold this whole model in one file). Either samples the process's
+anonymous resident memory every 2 ms and reports the peak growth over the
+memory before the operation (files read through memory maps are page cache,
+shared by a node's ranks, not counted) and its wall time.
 """
 
 from __future__ import annotations

@@ -10,9 +10,9 @@ trainlib checkpoint in this one process, without GPUs or a process group, and
 writes `config.json` and the weights in safetensors files of at most
 `--max-shard-gb` (one `model.safetensors`, or numbered files and their index,
 as transformers writes them), reading one file's worth of weights at a time;
-`transformers.LlamaForCausalLM.from_pretrained` loads the folder. The model shape comes
-from `--flavor`, else from the checkpoint itself, else from the run's saved
-config.toml two folders up. The conversions live in `trainlib.checkpoint.convert`.
+`transformers.LlamaForCausalLM.from_pretrained` loads the folder. The model
+shape comes from `--flavor`, else from the checkpoint itself, else from the
+run's saved config.toml two folders up. The conversions live in `trainlib.checkpoint.convert`.
 """
 
 from __future__ import annotations

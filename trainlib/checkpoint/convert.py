@@ -73,7 +73,6 @@ class DCPWeights(LazyWeights):
         return self.read_many([name])[name]
 
 
-
 class _OneMetadataReader(FileSystemReader):
     """Reads `.metadata` once for all the loads of one conversion (a large
     checkpoint's metadata lists every rank's chunk of every tensor)."""

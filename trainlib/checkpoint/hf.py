@@ -104,7 +104,6 @@ class HFWeights(LazyWeights):
             return hf_weight_to_trainlib(name, handle.get_tensor(theirs), self.args)
 
 
-
 def read_hf_folder(path: str | os.PathLike) -> tuple[ModelArgs, HFWeights]:
     """(model shape, trainlib-named full tensors, read on access) from an HF
     folder, sharded (`model.safetensors.index.json`) or not."""

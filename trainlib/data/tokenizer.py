@@ -107,7 +107,8 @@ class HFTokenizer:
         try:
             from tokenizers import Tokenizer as _HFTok
         except ImportError as e:  # the environment lacks an optional package: the user's to install
-            raise ConfigError(f"tokenizer.kind='hf' needs the 'tokenizers' package ({e}): pip install tokenizers") from e
+            raise ConfigError(f"tokenizer.kind='hf' needs the 'tokenizers' package ({e}): "
+                              "pip install tokenizers") from e
         self.path = path
         self._tok = _HFTok.from_file(path)
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
@@ -202,7 +203,8 @@ class TiktokenTokenizer:
         try:
             import tiktoken
         except ImportError as e:  # the environment lacks an optional package: the user's to install
-            raise ConfigError(f"tokenizer.kind='tiktoken' needs the 'tiktoken' package ({e}): pip install tiktoken") from e
+            raise ConfigError(f"tokenizer.kind='tiktoken' needs the 'tiktoken' package ({e}): "
+                              "pip install tiktoken") from e
         self.path = path
         ranks = _read_bpe_ranks(path)
         base = len(ranks)
