@@ -131,7 +131,7 @@ def _export_worker(rank, world, folder):
     args = get_model_args("debug", n_layers=2)
     model = Transformer(args, rope_len=8)
     model.init_weights(seed=0)
-    ck = Checkpointer(CheckpointConfig(enable=True, interval=1, async_mode="async"), folder,
+    ck = Checkpointer(CheckpointConfig(enable=True, interval=1, async_mode="async", export_dtype="bfloat16"), folder,
                       {"model": ModelState([model]), "trainer": TrainState(model_args=args)})
     with pytest.raises(ValueError, match=r"^checkpoint.export_hf: no complete checkpoint in \S+ to export$"):
         ck.export_hf(Path(folder) / "hf")
@@ -141,7 +141,8 @@ def _export_worker(rank, world, folder):
     ck.maybe_save(2, last_step=2)  # in flight when the export starts: the export is of step 2, not step 1
     ck.export_hf(Path(folder) / "hf")
     exported = {k: v for f in (Path(folder) / "hf").glob("*.safetensors") for k, v in load_file(f).items()}
-    assert torch.equal(exported["lm_head.weight"], model.output.weight)
+    assert torch.equal(exported["lm_head.weight"], model.output.weight.to(torch.bfloat16))  # checkpoint.export_dtype
+    assert {t.dtype for t in exported.values()} == {torch.bfloat16}
     ck.close()
 
 

@@ -91,6 +91,8 @@ class CheckpointConfig:
     initial_load_model_only: bool = field(
         default=True, metadata={"help": "from initial_load_path load weights only (fine-tuning), not optimizer/step/data"})
     export_hf: bool = field(default=False, metadata={"help": "at the end, also write HF safetensors + config.json to <dump_folder>/hf"})
+    export_dtype: Literal["float32", "bfloat16", "float16"] = field(default="float32", metadata={
+        "help": "the dtype of export_hf's weights (the checkpoint's are float32; bfloat16 halves the files)"})
 
     def __post_init__(self) -> None:
         if self.interval < 1:
@@ -468,8 +470,8 @@ class Checkpointer:
             step = latest_step(self.root)
             if step is None:
                 raise ValueError(f"checkpoint.export_hf: no complete checkpoint in {self.root} to export")
-            dcp_to_hf(step_folder(self.root, step), out_dir)
-            logger.info(f"exported step {step} in Hugging Face format to {out_dir}")
+            dcp_to_hf(step_folder(self.root, step), out_dir, dtype=getattr(torch, self.cfg.export_dtype))
+            logger.info(f"exported step {step} in Hugging Face format ({self.cfg.export_dtype}) to {out_dir}")
         barrier()
 
     def close(self) -> None:
