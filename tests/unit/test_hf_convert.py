@@ -294,6 +294,7 @@ def test_dcp_to_hf_writes_files_of_a_bounded_size_reading_one_file_of_weights_at
 
     import torch.distributed.checkpoint as dcp
     from safetensors.torch import load_file
+    from torch.distributed.checkpoint import FileSystemReader
 
     from trainlib.checkpoint.convert import DCPWeights, dcp_to_hf
     from trainlib.checkpoint.hf import read_hf_folder
@@ -317,7 +318,11 @@ def test_dcp_to_hf_writes_files_of_a_bounded_size_reading_one_file_of_weights_at
 
     read_many = DCPWeights.read_many
     monkeypatch.setattr(DCPWeights, "read_many", recording)
+    metadata_reads = []  # a large checkpoint's .metadata lists every rank's chunk of every tensor: read it once
+    read_metadata = FileSystemReader.read_metadata
+    monkeypatch.setattr(FileSystemReader, "read_metadata", lambda self: metadata_reads.append(1) or read_metadata(self))
     out = dcp_to_hf(tmp_path / "ckpt", tmp_path / "hf", max_shard_bytes=limit, dtype=torch.bfloat16)
+    assert len(metadata_reads) == 1
     index = json.loads((out / "model.safetensors.index.json").read_text())
     files = sorted(set(index["weight_map"].values()))
     n = len(files)

@@ -32,18 +32,30 @@ def hf_to_dcp(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> ModelArg
     return args
 
 
-def _metadata(ckpt_dir: Path) -> dict:
-    if not (ckpt_dir / ".metadata").is_file():
+class _OneMetadataReader(FileSystemReader):
+    """Reads `.metadata` once for all the loads of one conversion (a large
+    checkpoint's metadata lists every rank's chunk of every tensor)."""
+
+    def read_metadata(self, *args, **kwargs):
+        if not hasattr(self, "_metadata_once"):
+            self._metadata_once = super().read_metadata(*args, **kwargs)
+        return self._metadata_once
+
+
+def _open(ckpt_dir: str | os.PathLike) -> _OneMetadataReader:
+    if not (Path(ckpt_dir) / ".metadata").is_file():
         raise ConfigError(f"{ckpt_dir} is not a complete DCP checkpoint (no .metadata): pass a step-N folder")
-    return FileSystemReader(str(ckpt_dir)).read_metadata().state_dict_metadata
+    return _OneMetadataReader(str(ckpt_dir))
 
 
-def saved_model_args(ckpt_dir: str | os.PathLike) -> ModelArgs | None:
-    """The model shape a checkpoint records (trainer.model_args), or None."""
-    sd = {k: None for k in _metadata(Path(ckpt_dir)) if k.startswith(_ARGS_PREFIX)}
+def saved_model_args(ckpt_dir: str | os.PathLike, reader: FileSystemReader | None = None) -> ModelArgs | None:
+    """The model shape a checkpoint records (trainer.model_args), or None;
+    read through `reader` where one is open on the checkpoint."""
+    reader = reader or _open(ckpt_dir)
+    sd = {k: None for k in reader.read_metadata().state_dict_metadata if k.startswith(_ARGS_PREFIX)}
     if not sd:
         return None
-    dcp.load(sd, checkpoint_id=str(ckpt_dir), no_dist=True)
+    dcp.load(sd, storage_reader=reader, no_dist=True)
     return args_from_dict({k[len(_ARGS_PREFIX):]: v for k, v in sd.items()})
 
 
@@ -54,8 +66,8 @@ class DCPWeights(LazyWeights):
     metadata is read once."""
 
     def __init__(self, ckpt_dir: str | os.PathLike):
-        self._reader = _OneMetadataReader(str(ckpt_dir))
-        meta = _metadata(Path(ckpt_dir))
+        self.reader = _open(ckpt_dir)
+        meta = self.reader.read_metadata().state_dict_metadata
         self._names = {k[len("model."):]: (m.size, m.properties.dtype) for k, m in meta.items()
                        if k.startswith("model.") and isinstance(m, TensorStorageMetadata)}
         if not self._names:
@@ -66,21 +78,11 @@ class DCPWeights(LazyWeights):
 
     def read_many(self, names) -> dict[str, torch.Tensor]:
         sd = {f"model.{n}": torch.empty(self._names[n][0], dtype=self._names[n][1]) for n in names}
-        dcp.load(sd, storage_reader=self._reader, no_dist=True)
+        dcp.load(sd, storage_reader=self.reader, no_dist=True)
         return {k[len("model."):]: v for k, v in sd.items()}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.read_many([name])[name]
-
-
-class _OneMetadataReader(FileSystemReader):
-    """Reads `.metadata` once for all the loads of one conversion (a large
-    checkpoint's metadata lists every rank's chunk of every tensor)."""
-
-    def read_metadata(self, *args, **kwargs):
-        if not hasattr(self, "_metadata_once"):
-            self._metadata_once = super().read_metadata(*args, **kwargs)
-        return self._metadata_once
 
 
 def read_dcp_model(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
@@ -99,8 +101,9 @@ def dcp_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, args: Mod
     if given, else the one the checkpoint records. Read and written one file's
     worth of weights at a time: memory holds one file's weights, not the
     model (a Llama 3.1 405B checkpoint is 1.6 TB in fp32)."""
+    weights = DCPWeights(ckpt_dir)
     if args is None:
-        args = saved_model_args(ckpt_dir)
+        args = saved_model_args(ckpt_dir, weights.reader)
         if args is None:
             raise ConfigError(f"{ckpt_dir} does not record the model shape: give it (--flavor)")
-    return write_hf_folder(DCPWeights(ckpt_dir), args, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
+    return write_hf_folder(weights, args, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
