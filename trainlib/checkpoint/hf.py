@@ -86,15 +86,10 @@ class HFWeights(LazyWeights):
     of memory, not the model. (It cost every rank the permuted wq and wk of
     all blocks: 72 GB for Llama 3.1 405B in bf16.)"""
 
-    def __init__(self, files: list[Path], args: ModelArgs):
-        from safetensors import safe_open
-
+    def __init__(self, file_of: dict[str, Path], args: ModelArgs):
         self.args = args
-        self._file_of: dict[str, Path] = {}
-        for f in files:
-            with safe_open(str(f), framework="pt") as handle:
-                self._file_of.update((name, f) for name in handle.keys())
-        self._names = hf_weight_names(self._file_of, args)  # trainlib name -> HF name
+        self._file_of = file_of  # HF name -> the file holding it
+        self._names = hf_weight_names(file_of, args)  # trainlib name -> HF name
 
     def __getitem__(self, name: str) -> torch.Tensor:
         from safetensors import safe_open
@@ -112,14 +107,20 @@ def read_hf_folder(path: str | os.PathLike) -> tuple[ModelArgs, HFWeights]:
         raise ConfigError(f"{path} is not a Hugging Face checkpoint folder: expected config.json and *.safetensors")
     args = args_from_hf_config(json.loads((path / "config.json").read_text()))
     index = path / _INDEX
-    if not index.is_file():
-        return args, HFWeights(sorted(path.glob("*.safetensors")), args)
-    listed = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    absent = [f for f in listed if not (path / f).is_file()]
+    if not index.is_file():  # one file, or files without an index: their headers name their tensors
+        from safetensors import safe_open
+
+        file_of = {}
+        for f in sorted(path.glob("*.safetensors")):
+            with safe_open(str(f), framework="pt") as handle:
+                file_of.update(dict.fromkeys(handle.keys(), f))
+        return args, HFWeights(file_of, args)
+    weight_map = json.loads(index.read_text())["weight_map"]  # the index's files: others may be stale
+    absent = sorted({f for f in weight_map.values() if not (path / f).is_file()})
     if absent:
         raise ConfigError(f"{index} lists {len(absent)} file(s) the folder lacks ({', '.join(absent[:3])}"
                           f"{', ...' if len(absent) > 3 else ''}): an incomplete download or copy; fetch them")
-    return args, HFWeights([path / f for f in listed], args)  # the index's files: others may be stale
+    return args, HFWeights({name: path / f for name, f in weight_map.items()}, args)
 
 
 def write_hf_folder(sd: Mapping[str, torch.Tensor], args: ModelArgs, out_dir: str | os.PathLike, *,
