@@ -124,14 +124,20 @@ def hf_weight_names(hf_names, args: ModelArgs) -> dict[str, str]:
     return names
 
 
+def _rotary_heads(name: str, args: ModelArgs) -> int | None:
+    """The heads whose rows the rotary layouts order differently, for wq and wk; None for other weights."""
+    if name.endswith("attention.wq.weight"):
+        return args.n_heads
+    if name.endswith("attention.wk.weight"):
+        return args.n_kv_heads
+    return None
+
+
 def hf_weight_to_trainlib(ours: str, t: torch.Tensor, args: ModelArgs) -> torch.Tensor:
     """The HF tensor of trainlib weight `ours` in trainlib's layout: wq and
     wk rows permuted to adjacent rotary pairs, the rest as it is."""
-    if ours.endswith("attention.wq.weight"):
-        return _hf_to_meta(t, args.n_heads)
-    if ours.endswith("attention.wk.weight"):
-        return _hf_to_meta(t, args.n_kv_heads)
-    return t
+    heads = _rotary_heads(ours, args)
+    return t if heads is None else _hf_to_meta(t, heads)
 
 
 def trainlib_weight_names(names, args: ModelArgs) -> dict[str, str]:
@@ -143,8 +149,5 @@ def trainlib_weight_names(names, args: ModelArgs) -> dict[str, str]:
 def trainlib_weight_to_hf(name: str, t: torch.Tensor, args: ModelArgs) -> torch.Tensor:
     """Trainlib weight `name` in HF's layout: wq and wk rows permuted to
     rotate-half order, the rest as it is."""
-    if name.endswith("attention.wq.weight"):
-        return _meta_to_hf(t, args.n_heads)
-    if name.endswith("attention.wk.weight"):
-        return _meta_to_hf(t, args.n_kv_heads)
-    return t
+    heads = _rotary_heads(name, args)
+    return t if heads is None else _meta_to_hf(t, heads)
