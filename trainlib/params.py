@@ -50,23 +50,63 @@ def generate_init(spec: tuple[str, float], shape, seed: int, name: str, device, 
     return t.to(dtype)
 
 
+def _placement_dim(placement) -> int | None:
+    """The tensor dim a Shard or _StridedShard placement cuts (None for
+    Replicate/Partial). By attribute: torch 2.13's _StridedShard is not a
+    Shard subclass and its is_shard() is False."""
+    return getattr(placement, "dim", None)
+
+
+def local_piece(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    """The part of the full value `full` that DTensor `param` holds on this
+    rank, cut where `full` lives (a view wherever the rank's indices are
+    contiguous, as FSDP's and TP's are), so that only the shard ever reaches
+    the parameter's device.
+
+    Which indices along a dim this rank holds is found by distributing an
+    arange of that dim's length with the parameter's own placements (other
+    dims' placements made Replicate: cutting one dim does not move another's
+    indices). The layout rules, uneven chunks and _StridedShard included, stay
+    DTensor's; this only applies them to an index vector instead of the data."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    piece = full
+    for dim in sorted({d for d in map(_placement_dim, param.placements) if d is not None}):
+        shape = [1] * full.ndim
+        shape[dim] = full.shape[dim]
+        probe = torch.arange(full.shape[dim]).view(shape)
+        placements = [p if _placement_dim(p) == dim else Replicate() for p in param.placements]
+        idx = distribute_tensor(probe, param.device_mesh, placements, src_data_rank=None).to_local().flatten().cpu()
+        n = idx.numel()
+        start = int(idx[0]) if n else 0
+        if torch.equal(idx, torch.arange(start, start + n)):
+            piece = piece.narrow(dim, start, n)
+        else:
+            piece = piece.index_select(dim, idx.to(full.device))
+    return piece
+
+
 @torch.no_grad()
 def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
     """Copy the full value `full` into `param`, a plain tensor or a DTensor
-    shard. A sharded rank cuts its own shard out of the full tensor
-    (`src_data_rank=None`: no communication), so every rank must pass the same
-    full value."""
+    shard. A sharded rank cuts its own shard out of the full tensor (no
+    communication), so every rank must pass the same full value.
+
+    The cut is made on `full`'s device and only the shard moves: loading a
+    405B checkpoint held in host memory sends each rank its shard, not the
+    whole model, to the GPU. The cast to the parameter's dtype is copy_'s,
+    after the cut: a bf16 checkpoint's tensor never exists whole in fp32."""
     # Imported here: single-device model code uses this module without
     # touching torch.distributed.
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor, Partial
 
-    # Cast by copy_, after the cut: a bf16 checkpoint's tensor never exists whole in an fp32 parameter's dtype.
-    full = full.to(device=param.device)
-    if isinstance(param, DTensor):
-        param.to_local().copy_(distribute_tensor(full, param.device_mesh, param.placements,
-                                                 src_data_rank=None).to_local())
-    else:
+    if not isinstance(param, DTensor):
         param.copy_(full)
+    elif any(isinstance(p, Partial) for p in param.placements):
+        raise ValueError(f"copy_full_: a parameter with Partial placements {param.placements} has no full value "
+                         "to cut; parameters are Shard or Replicate")
+    else:
+        param.to_local().copy_(local_piece(full, param))
 
 
 def init_param_(param: torch.Tensor, spec: tuple[str, float], seed: int, name: str, device=None) -> None:
