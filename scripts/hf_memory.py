@@ -2,6 +2,7 @@
 
     python scripts/hf_memory.py import --folder /tmp/hf_mem    # writes the HF folder first if it is missing
     python scripts/hf_memory.py export --folder /tmp/dcp_mem   # writes an fp32 DCP checkpoint first if missing
+    python scripts/hf_memory.py hf-to-dcp --folder /tmp/hf_mem # the same HF folder as import
 
 Builds a Llama of the given shape (default: dim 2048, 8 blocks, 16 heads, 4 kv
 heads, ffn 5632, vocab 32000: 492M parameters). `import` writes it once as a
@@ -10,7 +11,9 @@ bf16 HF folder, then materialises an fp32 model and loads the folder into it as
 once as an fp32 DCP checkpoint (as training saves it), then converts that to an
 HF folder as `checkpoint.export_hf` and `trainlib.convert dcp-to-hf` do
 (`dcp_to_hf`), in files of at most `--shard-mb` (the default 5 GB of a real
-export would hold this whole model in one file). Either samples the process's
+export would hold this whole model in one file). `hf-to-dcp` converts the
+`import` folder to a DCP checkpoint as `trainlib.convert hf-to-dcp` does
+(`hf_to_dcp`). Each samples the process's
 anonymous resident memory every 2 ms and reports the peak growth over the
 memory before the operation (files read through memory maps are page cache,
 shared by a node's ranks, not counted) and its wall time.
@@ -30,7 +33,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # this checkout's trainlib
 
-from trainlib.checkpoint.convert import dcp_to_hf
+from trainlib.checkpoint.convert import dcp_to_hf, hf_to_dcp
 from trainlib.checkpoint.hf import load_hf_into_model, write_hf_folder
 from trainlib.models.llama3 import Transformer, get_model_args
 
@@ -61,7 +64,7 @@ def peak_anon_growth(fn) -> tuple[float, float]:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("what", choices=["import", "export"])
+    p.add_argument("what", choices=["import", "export", "hf-to-dcp"])
     p.add_argument("--folder", required=True, help="the HF folder or DCP checkpoint read (written when missing)")
     p.add_argument("--dim", type=int, default=2048)
     p.add_argument("--n-layers", type=int, default=8)
@@ -77,7 +80,7 @@ def main() -> None:
     if not folder.is_dir():
         src = Transformer(args, rope_len=8)
         src.init_weights(seed=0)
-        if a.what == "import":
+        if a.what in ("import", "hf-to-dcp"):
             write_hf_folder({k: v.to(torch.bfloat16) for k, v in src.state_dict().items()}, args, folder)
         else:
             import torch.distributed.checkpoint as dcp
@@ -93,6 +96,10 @@ def main() -> None:
         model.init_buffers()
         grew, seconds = peak_anon_growth(lambda: load_hf_into_model([model], folder, args))
         what = "the import (bf16 files, fp32 model)"
+    elif a.what == "hf-to-dcp":
+        with tempfile.TemporaryDirectory() as out:
+            grew, seconds = peak_anon_growth(lambda: hf_to_dcp(folder, Path(out) / "dcp"))
+        what = "the conversion to DCP (bf16 files)"
     else:
         with tempfile.TemporaryDirectory() as out:
             grew, seconds = peak_anon_growth(lambda: dcp_to_hf(folder, out, max_shard_bytes=int(a.shard_mb * 2**20)))

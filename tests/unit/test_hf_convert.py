@@ -244,6 +244,44 @@ def test_hf_import_reads_and_converts_one_weight_at_a_time_and_casts_no_whole_co
         assert torch.equal(got, want.to(torch.bfloat16).float()), name
 
 
+def test_hf_to_dcp_converts_one_weight_at_a_time_and_writes_trainlib_layout(tmp_path, monkeypatch):
+    """`hf-to-dcp` saves each weight converted when DCP's writer asks for it, one weight a file: at
+    any read at most the weight just written is still alive (eagerly converted, every block's permuted
+    wq and wk were held at once: 72 GB for 405B in bf16). What it writes is trainlib's layout, bit for
+    bit (the planned tensors are the files' own, in HF's layout)."""
+    import weakref
+
+    from torch.distributed.checkpoint import FileSystemReader
+
+    import trainlib.checkpoint.hf as hf_mod
+    from trainlib.checkpoint.convert import hf_to_dcp, read_dcp_model
+    from trainlib.models.llama3 import get_model_args
+
+    args = get_model_args("debug", n_layers=3)
+    src = Transformer(args, rope_len=8)
+    src.init_weights(seed=0)
+    hf_mod.write_hf_folder({k: v.to(torch.bfloat16) for k, v in src.state_dict().items()}, args, tmp_path / "hf")
+    convert, given, alive_at_read = hf_mod.hf_weight_to_trainlib, [], []
+
+    def tracked(name, t, a):
+        alive_at_read.append([n for n, ref in given if ref() is not None])
+        out = convert(name, t, a)
+        if out is not t:  # a converted copy (wq, wk); the rest are views of the mapped file
+            given.append((name, weakref.ref(out)))
+        return out
+
+    monkeypatch.setattr(hf_mod, "hf_weight_to_trainlib", tracked)
+    hf_to_dcp(tmp_path / "hf", tmp_path / "dcp")
+    assert len(given) == 2 * args.n_layers and max(map(len, alive_at_read)) <= 1, alive_at_read
+    # DCP's writer keeps a file's tensors until that file is written: one weight per file bounds it.
+    storage = FileSystemReader(str(tmp_path / "dcp")).read_metadata().storage_data
+    files = [info.relative_path for index, info in storage.items() if index.fqn.startswith("model.")]
+    assert len(files) == len(set(files)) == len(src.state_dict()), files
+    got = read_dcp_model(tmp_path / "dcp")
+    for name, want in src.state_dict().items():
+        assert torch.equal(got[name], want.to(torch.bfloat16)), name
+
+
 def test_an_incomplete_hf_folder_is_refused_naming_what_it_lacks(tmp_path):
     """A sharded folder missing a shard its index lists (an interrupted download), or a folder
     missing some weight: a ConfigError before any weight is copied, not a KeyError mid-load."""

@@ -12,10 +12,17 @@ from pathlib import Path
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
-from trainlib.checkpoint.hf import HF_SHARD_BYTES, LazyWeights, args_from_dict, read_hf_folder, write_hf_folder
+from trainlib.checkpoint.hf import (
+    HF_SHARD_BYTES,
+    HFWeights,
+    LazyWeights,
+    args_from_dict,
+    read_hf_folder,
+    write_hf_folder,
+)
 from trainlib.checkpoint.state import TrainState
 from trainlib.errors import ConfigError
 from trainlib.models.llama3.model import ModelArgs
@@ -26,10 +33,35 @@ _ARGS_PREFIX = "trainer.model_args."
 def hf_to_dcp(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> ModelArgs:
     """An HF folder (config.json + *.safetensors, sharded or not) as a DCP
     checkpoint holding the model and its shape; start training from it with
-    `checkpoint.initial_load_path=OUT_DIR`."""
+    `checkpoint.initial_load_path=OUT_DIR`.
+
+    Memory holds about one weight: the save is planned on the files' mapped
+    tensors, each weight is put in trainlib's layout only when the writer asks
+    for it (`_ConvertOnWrite`), and each goes to a file of its own, since DCP's
+    writer keeps a file's tensors until the file is written. (Converted
+    eagerly, all blocks' permuted wq and wk were held at once: 72 GB for
+    Llama 3.1 405B in bf16.)"""
     args, sd = read_hf_folder(hf_dir)
-    dcp.save({"model": dict(sd), "trainer": TrainState(model_args=args)}, checkpoint_id=str(out_dir), no_dist=True)
+    dcp.save({"model": {name: sd.stored(name) for name in sd}, "trainer": TrainState(model_args=args)},
+             storage_writer=FileSystemWriter(str(out_dir), single_file_per_rank=False),
+             planner=_ConvertOnWrite(sd), no_dist=True)
     return args
+
+
+class _ConvertOnWrite(DefaultSavePlanner):
+    """Hands the writer each model weight of `weights` in trainlib's layout,
+    converted when asked for; the planned state dict holds the stored tensors
+    (same shapes and dtypes)."""
+
+    def __init__(self, weights: HFWeights):
+        super().__init__()
+        self._weights = weights
+
+    def lookup_object(self, index):
+        name = index.fqn.removeprefix("model.")
+        if index.fqn.startswith("model.") and name in self._weights:
+            return self._weights[name]
+        return super().lookup_object(index)
 
 
 class _OneMetadataReader(FileSystemReader):

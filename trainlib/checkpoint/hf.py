@@ -92,11 +92,17 @@ class HFWeights(LazyWeights):
         self._names = hf_weight_names(file_of, args)  # trainlib name -> HF name
 
     def __getitem__(self, name: str) -> torch.Tensor:
+        return hf_weight_to_trainlib(name, self.stored(name), self.args)
+
+    def stored(self, name: str) -> torch.Tensor:
+        """Weight `name` as the file stores it (HF's layout), memory-mapped:
+        its pages are read when touched. Same shape and dtype as `self[name]`
+        (the rotary permutation moves rows within a head)."""
         from safetensors import safe_open
 
         theirs = self._names[name]
         with safe_open(str(self._file_of[theirs]), framework="pt") as handle:
-            return hf_weight_to_trainlib(name, handle.get_tensor(theirs), self.args)
+            return handle.get_tensor(theirs)
 
 
 def read_hf_folder(path: str | os.PathLike) -> tuple[ModelArgs, HFWeights]:
