@@ -199,30 +199,50 @@ def test_hf_config_whose_head_dim_is_not_dim_over_heads_is_refused():
         args_from_hf_config({**cfg, "head_dim": 32})
 
 
-def test_hf_import_reads_and_converts_one_weight_at_a_time_and_casts_no_whole_copy(tmp_path, monkeypatch):
-    """Each rank loads an HF folder weight by weight: a converted weight (wq and wk are permuted
-    copies) is dropped before the next is read, and a bf16 tensor goes into an fp32 parameter by
-    copy_ (no whole fp32 copy first). Eagerly converted, every rank held all blocks' permuted wq and
-    wk at once (72 GB for 405B in bf16); measured in docs/checkpointing.md."""
-    import weakref
-
-    from torch.utils._python_dispatch import TorchDispatchMode
-
-    import trainlib.checkpoint.hf as hf_mod
+def _bf16_hf_folder(folder, n_layers: int):
+    """(args, model) of a debug model written to `folder` as a bf16 HF folder."""
+    from trainlib.checkpoint.hf import write_hf_folder
     from trainlib.models.llama3 import get_model_args
 
-    args = get_model_args("debug", n_layers=2)
+    args = get_model_args("debug", n_layers=n_layers)
     src = Transformer(args, rope_len=8)
     src.init_weights(seed=0)
-    hf_mod.write_hf_folder({k: v.to(torch.bfloat16) for k, v in src.state_dict().items()}, args, tmp_path / "hf")
+    write_hf_folder({k: v.to(torch.bfloat16) for k, v in src.state_dict().items()}, args, folder)
+    return args, src
+
+
+def _track_conversions(monkeypatch, copies_only: bool):
+    """(given, alive_at_read), filled as HF weights are put in trainlib's layout: given holds
+    (name, weakref) of each converted weight (with copies_only, only those that are copies: wq and
+    wk; the rest are views of the mapped file), alive_at_read the names still alive at each read."""
+    import weakref
+
+    import trainlib.checkpoint.hf as hf_mod
 
     convert, given, alive_at_read = hf_mod.hf_weight_to_trainlib, [], []
 
     def tracked(name, t, a):
         alive_at_read.append([n for n, ref in given if ref() is not None])
         out = convert(name, t, a)
-        given.append((name, weakref.ref(out)))
+        if not (copies_only and out is t):
+            given.append((name, weakref.ref(out)))
         return out
+
+    monkeypatch.setattr(hf_mod, "hf_weight_to_trainlib", tracked)
+    return given, alive_at_read
+
+
+def test_hf_import_reads_and_converts_one_weight_at_a_time_and_casts_no_whole_copy(tmp_path, monkeypatch):
+    """Each rank loads an HF folder weight by weight: a converted weight (wq and wk are permuted
+    copies) is dropped before the next is read, and a bf16 tensor goes into an fp32 parameter by
+    copy_ (no whole fp32 copy first). Eagerly converted, every rank held all blocks' permuted wq and
+    wk at once (72 GB for 405B in bf16); measured in docs/checkpointing.md."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    import trainlib.checkpoint.hf as hf_mod
+
+    args, src = _bf16_hf_folder(tmp_path / "hf", n_layers=2)
+    given, alive_at_read = _track_conversions(monkeypatch, copies_only=False)
 
     class Ops(TorchDispatchMode):
         def __init__(self):
@@ -233,7 +253,6 @@ def test_hf_import_reads_and_converts_one_weight_at_a_time_and_casts_no_whole_co
             self.names.add(str(func))
             return func(*args, **(kwargs or {}))
 
-    monkeypatch.setattr(hf_mod, "hf_weight_to_trainlib", tracked)
     dst = Transformer(args, rope_len=8)
     dst.init_weights(seed=1)
     with Ops() as ops:
@@ -249,28 +268,12 @@ def test_hf_to_dcp_converts_one_weight_at_a_time_and_writes_trainlib_layout(tmp_
     any read at most the weight just written is still alive (eagerly converted, every block's permuted
     wq and wk were held at once: 72 GB for 405B in bf16). What it writes is trainlib's layout, bit for
     bit (the planned tensors are the files' own, in HF's layout)."""
-    import weakref
-
     from torch.distributed.checkpoint import FileSystemReader
 
-    import trainlib.checkpoint.hf as hf_mod
     from trainlib.checkpoint.convert import hf_to_dcp, read_dcp_model
-    from trainlib.models.llama3 import get_model_args
 
-    args = get_model_args("debug", n_layers=3)
-    src = Transformer(args, rope_len=8)
-    src.init_weights(seed=0)
-    hf_mod.write_hf_folder({k: v.to(torch.bfloat16) for k, v in src.state_dict().items()}, args, tmp_path / "hf")
-    convert, given, alive_at_read = hf_mod.hf_weight_to_trainlib, [], []
-
-    def tracked(name, t, a):
-        alive_at_read.append([n for n, ref in given if ref() is not None])
-        out = convert(name, t, a)
-        if out is not t:  # a converted copy (wq, wk); the rest are views of the mapped file
-            given.append((name, weakref.ref(out)))
-        return out
-
-    monkeypatch.setattr(hf_mod, "hf_weight_to_trainlib", tracked)
+    args, src = _bf16_hf_folder(tmp_path / "hf", n_layers=3)
+    given, alive_at_read = _track_conversions(monkeypatch, copies_only=True)
     hf_to_dcp(tmp_path / "hf", tmp_path / "dcp")
     assert len(given) == 2 * args.n_layers and max(map(len, alive_at_read)) <= 1, alive_at_read
     # DCP's writer keeps a file's tensors until that file is written: one weight per file bounds it.
