@@ -9,7 +9,7 @@ import sys
 import textwrap
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Literal, Optional
+from typing import Any, Literal, Optional
 
 import pytest
 
@@ -672,6 +672,7 @@ def test_describe_required_and_string_lists():
     class S:
         path: str = field(metadata={"help": "where"})
         names: list[str] = field(default_factory=lambda: ["a", 'b"'])
+        n: int = 3  # a plain default, read from the field: no parent instance exists
 
     @dataclass
     class Top:
@@ -680,6 +681,7 @@ def test_describe_required_and_string_lists():
     assert describe(Top).splitlines() == [
         "s.path = <required>  # str; where",
         's.names = ["a", "b\\""]  # list[str]',
+        "s.n = 3  # int",
     ]
 
 
@@ -710,8 +712,73 @@ def test_string_annotations_are_resolved(tmp_path, monkeypatch):
 
 
 def test_schema_must_be_a_dataclass():
-    with pytest.raises(TypeError):
+    with pytest.raises(TypeError, match="schema must be a dataclass type, got <class 'dict'>"):
         load_recipe(dict, None)
+
+
+# ------------------------------------------------- schema shapes beyond JobConfig
+def test_union_of_types_takes_the_first_arm_that_fits(tmp_path):
+    @dataclass
+    class S:
+        size: int | str = 0  # e.g. a count, or a word such as "auto"
+        ratio: int | float = 1
+
+    @dataclass
+    class Top:
+        s: S = field(default_factory=S)
+
+    cfg = load_recipe(Top, None, ["--s.size=5", "--s.ratio=0.5"])
+    assert (cfg.s.size, cfg.s.ratio) == (5, 0.5) and type(cfg.s.size) is int
+    assert load_recipe(Top, None, ["--s.size=auto"]).s.size == "auto"
+    ratio = load_recipe(Top, write(tmp_path / "r.toml", "[s]\nratio = 2\n")).s.ratio
+    assert ratio == 2 and type(ratio) is int  # the int arm comes first: no silent int -> float
+    assert err(load_recipe, Top, None, ["--s.ratio=half"]) == (
+        "s.ratio: expected int | float, got 'half' (from --s.ratio); fix the value in the recipe or override")
+
+
+def test_path_fields_are_built_from_text_and_survive_save(tmp_path):
+    @dataclass
+    class S:
+        folder: Path = Path("out")
+        cache: Optional[Path] = None
+
+    @dataclass
+    class Top:
+        s: S = field(default_factory=S)
+
+    p = write(tmp_path / "r.toml", '[s]\nfolder = "/data/x"\n')
+    cfg = load_recipe(Top, p, ["--s.cache=/tmp/c"])
+    assert cfg.s == S(folder=Path("/data/x"), cache=Path("/tmp/c"))
+    assert load_recipe(Top, None).s.folder == Path("out")  # a default that already is a Path is kept
+    save_config(cfg, tmp_path / "saved.toml")
+    assert load_recipe(Top, tmp_path / "saved.toml") == cfg
+    bad = write(tmp_path / "bad.toml", "[s]\nfolder = 3\n")
+    assert err(load_recipe, Top, bad) == (
+        f"s.folder: expected Path, got 3 (int) (from {bad}); fix the value in the recipe or override")
+
+
+def test_untyped_fields_take_values_as_given(tmp_path):
+    @dataclass
+    class S:
+        extra: Any = None
+        items: list = field(default_factory=list)
+        weights: dict[str, float] = field(default_factory=dict)  # not a section: a table value, unchecked
+
+    @dataclass
+    class Top:
+        s: S = field(default_factory=S)
+
+    cfg = load_recipe(Top, None, ["--s.extra=x y", "--s.items=a,1"])
+    assert (cfg.s.extra, cfg.s.items) == ("x y", ["a", "1"])
+    p = write(tmp_path / "r.toml", '[s]\nextra = 3\nitems = [1, "a"]\nweights = {a = 0.5}\n')
+    assert load_recipe(Top, p).s == S(extra=3, items=[1, "a"], weights={"a": 0.5})
+
+
+def test_recipe_that_is_not_utf8_is_a_one_line_error(tmp_path):
+    p = tmp_path / "latin1.toml"
+    p.write_bytes('[job]\nname = "café"\n'.encode("latin-1"))
+    msg = err(load_recipe, JobConfig, p)
+    assert msg.startswith(f"recipe {p} is not UTF-8 text (byte 17: ") and msg.endswith("save it as UTF-8")
 
 
 def test_loader_imports_without_torch():
