@@ -13,7 +13,6 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
-import math
 import os
 import re
 import sys
@@ -409,11 +408,8 @@ def _toml_value(v: Any) -> str:
     if isinstance(v, int):
         return str(v)
     if isinstance(v, float):
-        if math.isnan(v):
-            return "nan"
-        if math.isinf(v):
-            return "inf" if v > 0 else "-inf"
-        return repr(v)  # shortest repr round-trips exactly; "1e-05" is valid TOML
+        # shortest repr round-trips exactly and is TOML as it stands: "1e-05", "nan", "inf", "-inf"
+        return repr(v)
     if isinstance(v, str):
         return _toml_str(v)
     if isinstance(v, (list, tuple)):
