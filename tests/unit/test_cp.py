@@ -82,5 +82,6 @@ def test_seq_len_must_split_into_2cp_chunks():
         _validate(**{"parallelism.cp": 3, "parallelism.dp_shard": 1, "training.seq_len": 100,
                      "training.global_batch_size": 3, "parallelism.cp_load_balance": "false"})
     _validate(**{"parallelism.cp": 4, "parallelism.dp_shard": 1, "training.seq_len": 104})  # 104 = 13 * 8
+    _validate(**{"training.seq_len": 255})  # no context parallelism: any length, odd included
 
 

@@ -78,3 +78,15 @@ def test_list_recipes_prints_one_line_per_recipe(capsys):
     lines = capsys.readouterr().out.splitlines()
     assert [line.split()[0] for line in lines] == [p.stem for p in sorted(RECIPES.glob("*.toml"))]
     assert any(line.startswith("llama3_70b (llama70b)") and "256 GPUs" in line for line in lines)
+
+
+def test_batch_that_does_not_split_over_the_data_ranks_names_that_rule():
+    # With local_batch_size unset the batch is split over dp ranks; the message must say so
+    # (not the accumulation rule, which would point at a key the user never set).
+    dims = ParallelDims(dp_shard=4, world_size=4)
+    with pytest.raises(ConfigError, match=r"^training.global_batch_size \(6\) must be divisible by the "
+                                          r"data-parallel degree dp_replicate\*dp_shard \(4\); change"):
+        resolve_local_batch_size(load_job_config(None, ["--training.global_batch_size=6"]), dims)
+    with pytest.raises(ConfigError, match=r"global_batch_size \(2\) must be divisible"):  # fewer than dp: no lbs 0
+        resolve_local_batch_size(load_job_config(None, ["--training.global_batch_size=2"]), dims)
+    assert resolve_local_batch_size(load_job_config(None, ["--training.global_batch_size=8"]), dims) == (2, 1)
