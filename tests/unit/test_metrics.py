@@ -1,16 +1,23 @@
 """MetricsLogger: the metrics.jsonl contract, fields added by the loop, the console line and summary,
 and the TensorBoard / W&B backends read back from their files."""
 
+import gc
 import importlib.util
 import json
+import logging
 import math
 import re
 import struct
+import sys
+import threading
+import types
+import warnings
 
 import pytest
 import torch
 
 from trainlib.config import ConfigError, load_job_config
+from trainlib import metrics as metrics_mod
 from trainlib.metrics import MetricsConfig, MetricsLogger, scalars, setup_logging
 from trainlib.train import train
 
@@ -153,6 +160,145 @@ def test_tensorboard_and_wandb_get_every_numeric_field_on_rank_0(tmp_path, monke
         assert {k: v for k, v in history[step].items() if not k.startswith("_")} == values
 
 
+class _FakeWandbRun:
+    def __init__(self, **kw):
+        self.kw, self.logged, self.summary, self.finished = kw, [], {}, 0
+
+    def log(self, values, step):
+        self.logged.append((step, values))
+
+    def finish(self):
+        self.finished += 1
+
+
+@pytest.fixture
+def fake_wandb(monkeypatch):
+    """A stand-in `wandb` module: the runs it started, to read back in well under a second."""
+    runs = []
+    module = types.ModuleType("wandb")
+    module.init = lambda **kw: runs.append(_FakeWandbRun(**kw)) or runs[-1]
+    monkeypatch.setitem(sys.modules, "wandb", module)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    return runs
+
+
+def test_wandb_summary_gets_the_end_of_training_numbers_and_a_resumed_job_continues_its_run(
+        tmp_path, fake_wandb, monkeypatch):
+    clock = [0.0]
+    monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: clock[0])
+    cfg = MetricsConfig(enable_wandb=True, wandb_mode="offline", console=False)
+
+    def job(start_step, steps):
+        m = MetricsLogger(cfg, tmp_path, rank=0, device=torch.device("cpu"), flops_per_token=1e6, world_size=1,
+                          start_step=start_step, tokens_seen=100 * start_step, run_config={"k": 1})
+        for step in range(start_step + 1, start_step + steps + 1):
+            clock[0] += 2.0
+            m.step_done(100)
+            m.log(step, loss=1.0, grad_norm=1.0, lr=1.0)
+        summary = m.summary(None)
+        m.close()
+        return summary, fake_wandb[-1]
+
+    summary, first = job(0, 2)
+    assert summary == {"tokens": 200, "tokens_seen": 200, "wall_time_s": 4.0, "tokens_per_second": 50.0,
+                       "tflops": 50.0 * 1e6 / 1e12, "mfu": None, "last_checkpoint": None}
+    assert first.finished == 1 and first.kw["config"] == {"k": 1} and first.kw["mode"] == "offline"
+    # W&B's summary: the same numbers under run/, the None ones (no checkpoint, no known peak) left out
+    assert first.summary == {f"run/{k}": v for k, v in summary.items() if v is not None}
+    monkeypatch.setenv("WANDB_MODE", "disabled")  # the environment wins over the config
+    summary, resumed = job(2, 1)
+    assert resumed.kw["id"] == first.kw["id"] and resumed.kw["resume"] == "allow"
+    assert resumed.kw["mode"] == "disabled" and resumed.summary["run/tokens_seen"] == 300
+    assert job(0, 1)[1].kw["id"] != first.kw["id"]  # a fresh run in the same folder is a new W&B run
+
+
+def test_a_record_before_any_step_has_zero_throughput_and_a_close_before_the_summary_finishes_wandb_once(
+        tmp_path, fake_wandb):
+    # e.g. a run that fails early: the guard's event record, then close() from the job's cleanup (twice, say)
+    m = MetricsLogger(MetricsConfig(enable_wandb=True, console=False), tmp_path, rank=0, device=torch.device("cpu"),
+                      flops_per_token=1e6, world_size=1)
+    r = m.log(0, loss=1.0, grad_norm=1.0, lr=1.0, event="nonfinite")
+    assert (r["tokens_per_second"], r["tflops"], r["tokens_seen"]) == (0.0, 0.0, 0)
+    m.close()
+    m.close()
+    (run,) = fake_wandb
+    assert run.finished == 1 and run.summary == {} and [step for step, _ in run.logged] == [0]
+
+
+def test_tensorboard_shows_each_record_as_it_is_written_and_close_stops_its_writer(tmp_path):
+    pytest.importorskip("tensorboard", reason="pip install 'trainlib[tensorboard]' (in the dev extra)")
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    before = set(threading.enumerate())
+    m = MetricsLogger(MetricsConfig(enable_tensorboard=True, console=False), tmp_path, rank=0,
+                      device=torch.device("cpu"), flops_per_token=1e6, world_size=1)
+    for step in (1, 2, 3):
+        m.step_done(10)
+        m.log(step, loss=step / 2, grad_norm=1.0, lr=1.0)
+    acc = EventAccumulator(str(tmp_path / "tb"))  # while training runs, not only after close
+    acc.Reload()
+    assert [(e.step, e.value) for e in acc.Scalars("loss")] == [(1, 0.5), (2, 1.0), (3, 1.5)]
+    m.close()
+    assert [t.name for t in set(threading.enumerate()) - before if t.is_alive()] == []
+
+
+def test_a_run_folder_given_as_a_string_is_created_each_record_is_on_disk_once_logged_and_close_releases_it(
+        tmp_path):
+    run_dir = tmp_path / "runs" / "a"
+    m = MetricsLogger(MetricsConfig(console=False), str(run_dir), rank=0, device=torch.device("cpu"),
+                      flops_per_token=1e6, world_size=1)
+    m.step_done(1)
+    m.log(1, loss=1.0, grad_norm=1.0, lr=1.0)
+    # before close: a crash from here on loses nothing already logged
+    assert [json.loads(x)["step"] for x in (run_dir / "metrics.jsonl").read_text().splitlines()] == [1]
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        m.close()
+        del m
+        gc.collect()
+    assert [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)] == []
+
+
+def test_on_a_known_gpu_mfu_is_achieved_tflops_over_its_bf16_peak_and_memory_is_the_allocators(
+        tmp_path, monkeypatch, capsys):
+    # No GPU needed: the two CUDA queries the logger makes are answered here.
+    clock = [0.0]
+    monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: clock[0])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
+    setup_logging(0)
+    m = MetricsLogger(MetricsConfig(), tmp_path, rank=0, device=torch.device("cuda", 0), flops_per_token=6e9,
+                      world_size=2, float8=True)
+    clock[0] += 2.0
+    m.step_done(200_000)
+    r = m.log(1, loss=1.0, grad_norm=1.0, lr=1.0)
+    m.close()
+    assert r["tflops"] == 100_000 / 2 * 6e9 / 1e12 == 300.0
+    assert r["mfu"] == pytest.approx(300.0 / 989.4, rel=1e-12)  # the table's H100 SXM bf16 peak
+    assert r["peak_memory_gib"] == 3.0
+    assert (r["mfu_basis"], r["matmul_precision"]) == ("bf16_peak", "float8")
+    assert "| mfu 30.3% (float8, vs bf16 peak) | mem   3.00 GiB" in capsys.readouterr().out
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA Unlisted 1")
+    unknown = MetricsLogger(MetricsConfig(), None, rank=0, device=torch.device("cuda", 0), flops_per_token=6e9,
+                            world_size=2)
+    unknown.step_done(1)
+    assert unknown.log(1, loss=1.0, grad_norm=1.0, lr=1.0)["mfu"] is None
+
+
+def test_log_lines_are_printed_once_even_where_the_root_logger_has_a_handler(capsys):
+    seen = []
+    handler = logging.Handler()
+    handler.emit = seen.append
+    root = logging.getLogger()
+    root.addHandler(handler)  # as logging.basicConfig() in the user's program would
+    try:
+        setup_logging(0)
+        logging.getLogger("trainlib").info("hello")
+    finally:
+        root.removeHandler(handler)
+    assert capsys.readouterr().out == "[trainlib] hello\n" and seen == []
+
+
 def test_other_ranks_write_nothing(tmp_path):
     pytest.importorskip("tensorboard", reason="pip install 'trainlib[tensorboard]' (in the dev extra)")
     m = MetricsLogger(MetricsConfig(enable_tensorboard=True), tmp_path, rank=1, device=torch.device("cpu"),
@@ -207,3 +353,26 @@ def test_step_time_and_tokens_per_second_cover_the_steps_since_the_last_record_w
     m.step_done(1000)
     r = m.log(5, loss=2.0, grad_norm=0.5, lr=1e-3)  # the window restarts at the last record
     assert (r["step_time_s"], r["tokens_per_second"]) == (2.0, 500.0)
+
+
+def test_eta_is_the_remaining_steps_at_the_wall_clock_rate_since_the_first_log(tmp_path, monkeypatch, capsys):
+    clock = [0.0]
+    monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: clock[0])
+    setup_logging(0)
+    m = MetricsLogger(MetricsConfig(log_freq=1), tmp_path, rank=0, device=torch.device("cpu"),
+                      flops_per_token=1e6, world_size=1, total_steps=101)
+    clock[0] += 60.0  # the first step: compile and allocations, kept out of the later rate
+    m.step_done(1)
+    m.log(1, loss=1.0, grad_norm=1.0, lr=1.0)  # only its own step time: 100 steps x 60 s
+    for _ in range(10):
+        clock[0] += 3.0
+        m.step_done(1)
+    with m.untimed():  # validation: out of the step time, in the wall-clock rate
+        clock[0] += 30.0
+    m.log(11, loss=1.0, grad_norm=1.0, lr=1.0)  # (30 + 30) s over 10 steps: 90 steps x 6 s
+    clock[0] += 1.0
+    m.step_done(1)
+    m.log(101, loss=1.0, grad_norm=1.0, lr=1.0)
+    m.close()
+    etas = [line.rsplit("| eta ", 1)[1] for line in capsys.readouterr().out.splitlines()]
+    assert etas == ["1:40:00", "0:09:00", "0:00:00"]
