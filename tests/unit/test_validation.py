@@ -10,7 +10,7 @@ from trainlib.config import load_job_config
 from trainlib.data import DEFAULT_VALIDATION_PATH, DataConfig, build_dataloader, build_tokenizer, document_ids
 from trainlib.distributed import destroy_distributed, init_distributed
 from trainlib.train import setup, train
-from trainlib.validation import ValidationConfig
+from trainlib.validation import ValidationConfig, Validator
 
 
 def _cfg(tmp_path, *overrides):
@@ -72,10 +72,38 @@ def test_validation_computes_in_bf16_where_training_uses_autocast(tmp_path):
     job = setup(cfg, init_distributed(cfg.comm, cfg.job.device))
     try:
         assert job.autocast_dtype == torch.bfloat16
+        (model,) = job.model_parts
+        modes = []
+        hook = model.register_forward_pre_hook(lambda module, args: modes.append(module.training))
         bf16 = job.validator.run()["val_loss"]
+        hook.remove()
+        # scored in eval mode, and training goes on in train mode (a dropout or a router would notice)
+        assert modes and not any(modes) and all(m.training for m in model.modules())
         job.validator.autocast_dtype = None
         fp32 = job.validator.run()["val_loss"]
     finally:
         job.close()
         destroy_distributed()
     assert bf16 != fp32 and math.isclose(bf16, fp32, rel_tol=1e-2), (bf16, fp32)
+
+
+def test_close_stops_the_validation_loader():
+    # Job.close reaches a prepared loader's prefetch thread only through Validator.close; the thread can
+    # abort the process at exit if left running.
+    class Loader:
+        closed = False
+
+        def state_dict(self):
+            return {}
+
+        def close(self):
+            self.closed = True
+
+    def validator(loader):
+        return Validator(ValidationConfig(enable=loader is not None), loader, [], None, torch.device("cpu"),
+                         micro_batches=1, loss_fn=None, pipeline=None, cp_load_balance=False, tp_loss_parallel=False)
+
+    loader = Loader()
+    validator(loader).close()
+    assert loader.closed
+    validator(None).close()  # validation off: no loader, nothing to stop
