@@ -67,6 +67,8 @@ def test_unknown_schedule_lists_the_valid_ones():
     (["--parallelism.tp=4"], r"n_kv_heads \(2\) must be divisible by parallelism.tp \(4\).*GQA"),
     (["--parallelism.tp=2", "--training.seq_len=255"], "seq_len .255. must be divisible"),
     (["--parallelism.tp=2", "--parallelism.tp_async=true", "--job.device=cpu"], "tp_async.*not supported on CPU"),
+    (["--parallelism.tp=2", "--parallelism.tp_async=true", "--job.device=cuda"],
+     r"tp_async is done by torch.compile's micro-pipeline pass and needs compile.enable = true"),
     (["--parallelism.pp=2", "--parallelism.pp_schedule=1F1B", "--parallelism.pp_stages_per_rank=2"],
      "runs one stage per rank"),
     (["--parallelism.pp=2", "--parallelism.pp_schedule=DualPipeV", "--parallelism.pp_stages_per_rank=3"],
@@ -89,6 +91,17 @@ def test_tp_pp_rules(overrides, match):
             world *= int(o.split("=")[1])
     with pytest.raises(ConfigError, match=match):
         _validate(world, "--parallelism.dp_shard=1", *overrides)
+
+
+@pytest.mark.parametrize("axis", ["tp", "pp"])
+def test_tied_embeddings_are_refused_under_tp_and_pp(axis):
+    # One matrix serving as embedding and output cannot be split two ways (TP) or live on two stages (PP).
+    cfg = load_job_config(DEBUG, ["--parallelism.dp_shard=1", f"--parallelism.{axis}=2"])
+    dims = ParallelDims(world_size=2, dp_shard=1, **{axis: 2})
+    with pytest.raises(ConfigError, match=rf"ties the embedding and output weights, .* \(tp={dims.tp}, "
+                                          rf"pp={dims.pp}\); use tp=1 and pp=1 with this flavor"):
+        validate_job(cfg, dims, get_model_args("debug", tie_embeddings=True), 256)
+    validate_job(cfg, dims, get_model_args("debug"), 256)
 
 
 @pytest.mark.parametrize("schedule", pp_lib.V_SCHEDULES)
