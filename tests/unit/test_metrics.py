@@ -182,10 +182,16 @@ def fake_wandb(monkeypatch):
     return runs
 
 
+@pytest.fixture
+def clock(monkeypatch):
+    """The logger's perf_counter, read from clock[0]: tests advance time by hand."""
+    now = [0.0]
+    monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: now[0])
+    return now
+
+
 def test_wandb_summary_gets_the_end_of_training_numbers_and_a_resumed_job_continues_its_run(
-        tmp_path, fake_wandb, monkeypatch):
-    clock = [0.0]
-    monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: clock[0])
+        tmp_path, fake_wandb, clock, monkeypatch):
     cfg = MetricsConfig(enable_wandb=True, wandb_mode="offline", console=False)
 
     def job(start_step, steps):
@@ -260,10 +266,8 @@ def test_a_run_folder_given_as_a_string_is_created_each_record_is_on_disk_once_l
 
 
 def test_on_a_known_gpu_mfu_is_achieved_tflops_over_its_bf16_peak_and_memory_is_the_allocators(
-        tmp_path, monkeypatch, capsys):
+        tmp_path, clock, monkeypatch, capsys):
     # No GPU needed: the two CUDA queries the logger makes are answered here.
-    clock = [0.0]
-    monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: clock[0])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA H100 80GB HBM3")
     monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: 3 * 2**30)
     setup_logging(0)
@@ -331,11 +335,8 @@ def test_non_finite_values_stay_valid_json_and_records_at_one_point_share_the_wi
 
 
 def test_step_time_and_tokens_per_second_cover_the_steps_since_the_last_record_without_untimed_work(
-        tmp_path, monkeypatch):
-    import trainlib.metrics as metrics_mod
-
-    clock = [100.0]
-    monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: clock[0])
+        tmp_path, clock):
+    clock[0] = 100.0
     m = MetricsLogger(MetricsConfig(log_freq=4), tmp_path, rank=0, device=torch.device("cpu"),
                       flops_per_token=1e6, world_size=2, total_steps=8)
     for _ in range(4):  # four steps of 1.5 s and 3000 tokens each
@@ -355,9 +356,7 @@ def test_step_time_and_tokens_per_second_cover_the_steps_since_the_last_record_w
     assert (r["step_time_s"], r["tokens_per_second"]) == (2.0, 500.0)
 
 
-def test_eta_is_the_remaining_steps_at_the_wall_clock_rate_since_the_first_log(tmp_path, monkeypatch, capsys):
-    clock = [0.0]
-    monkeypatch.setattr(metrics_mod.time, "perf_counter", lambda: clock[0])
+def test_eta_is_the_remaining_steps_at_the_wall_clock_rate_since_the_first_log(tmp_path, clock, capsys):
     setup_logging(0)
     m = MetricsLogger(MetricsConfig(log_freq=1), tmp_path, rank=0, device=torch.device("cpu"),
                       flops_per_token=1e6, world_size=1, total_steps=101)
