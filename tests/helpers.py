@@ -245,6 +245,27 @@ class BytesSent(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+class NewTensors(TorchDispatchMode):
+    """Every floating-point tensor an op makes in new memory while active (views and in-place results
+    left out): `made` holds (op name, shape), `alive_before` how many of the earlier ones were still
+    alive when each was made."""
+
+    def __init__(self):
+        super().__init__()
+        self.made, self.alive_before, self._refs = [], [], []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        import weakref
+
+        out = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
+        if isinstance(out, torch.Tensor) and out.is_floating_point() and out.untyped_storage().data_ptr() not in inputs:
+            self.alive_before.append(sum(ref() is not None for ref in self._refs))
+            self.made.append((str(func), tuple(out.shape)))
+            self._refs.append(weakref.ref(out))
+        return out
+
+
 def doc_ids_from_starts(starts: list[list[int]], seq_len: int):
     """[b, seq_len] document ids from each row's document start positions (0 first)."""
     import torch

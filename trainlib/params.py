@@ -57,39 +57,55 @@ def _placement_dim(placement) -> int | None:
     return getattr(placement, "dim", None)
 
 
-def local_piece(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
-    """The part of the full value `full` that DTensor `param` holds on this
-    rank, cut where `full` lives (a view wherever the rank's indices are
+def _rank_indices(param: torch.Tensor, dim: int, length: int) -> torch.Tensor:
+    """Which indices of dim `dim` (of `length`) DTensor `param` holds on this
+    rank: an arange of that dim distributed with the parameter's own
+    placements (other dims' made Replicate: cutting one dim does not move
+    another's indices). The layout rules, uneven chunks and _StridedShard
+    included, stay DTensor's; this only applies them to an index vector
+    instead of the data."""
+    from torch.distributed.tensor import Replicate, distribute_tensor
+
+    shape = [1] * param.ndim
+    shape[dim] = length
+    probe = torch.arange(length).view(shape)
+    placements = [p if _placement_dim(p) == dim else Replicate() for p in param.placements]
+    return distribute_tensor(probe, param.device_mesh, placements, src_data_rank=None).to_local().flatten().cpu()
+
+
+def _take(t: torch.Tensor, dim: int, idx: torch.Tensor) -> torch.Tensor:
+    """t's entries `idx` along `dim`: a view where the indices run contiguously."""
+    n = idx.numel()
+    start = int(idx[0]) if n else 0
+    if torch.equal(idx, torch.arange(start, start + n)):
+        return t.narrow(dim, start, n)
+    return t.index_select(dim, idx.to(t.device))
+
+
+def local_piece(full: torch.Tensor, param: torch.Tensor, rows: torch.Tensor | None = None) -> torch.Tensor:
+    """The part of the full value that DTensor `param` holds on this rank,
+    cut where `full` lives (a view wherever the rank's indices are
     contiguous, as FSDP's and TP's are), so that only the shard ever reaches
     the parameter's device.
 
-    Which indices along a dim this rank holds is found by distributing an
-    arange of that dim's length with the parameter's own placements (other
-    dims' placements made Replicate: cutting one dim does not move another's
-    indices). The layout rules, uneven chunks and _StridedShard included, stay
-    DTensor's; this only applies them to an index vector instead of the data."""
-    from torch.distributed.tensor import Replicate, distribute_tensor
-
+    `rows`, when given, orders dim 0: the full value is `full[rows]` (an HF
+    wq, whose rows trainlib's rotary layout orders differently). Only the
+    rank's rows of it are gathered, so the reordered whole never exists."""
+    sharded = {d for d in map(_placement_dim, param.placements) if d is not None}
     piece = full
-    for dim in sorted({d for d in map(_placement_dim, param.placements) if d is not None}):
-        shape = [1] * full.ndim
-        shape[dim] = full.shape[dim]
-        probe = torch.arange(full.shape[dim]).view(shape)
-        placements = [p if _placement_dim(p) == dim else Replicate() for p in param.placements]
-        idx = distribute_tensor(probe, param.device_mesh, placements, src_data_rank=None).to_local().flatten().cpu()
-        n = idx.numel()
-        start = int(idx[0]) if n else 0
-        if torch.equal(idx, torch.arange(start, start + n)):
-            piece = piece.narrow(dim, start, n)
-        else:
-            piece = piece.index_select(dim, idx.to(full.device))
+    for dim in sorted(sharded | ({0} if rows is not None else set())):
+        idx = _rank_indices(param, dim, full.shape[dim]) if dim in sharded else torch.arange(full.shape[dim])
+        if dim == 0 and rows is not None:
+            idx = rows[idx]
+        piece = _take(piece, dim, idx)
     return piece
 
 
 @torch.no_grad()
-def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
-    """Copy the full value `full` into `param`, a plain tensor or a DTensor
-    shard. A sharded rank cuts its own shard out of the full tensor (no
+def copy_full_(param: torch.Tensor, full: torch.Tensor, rows: torch.Tensor | None = None) -> None:
+    """Copy the full value `full` (`full[rows]` when `rows` reorders dim 0,
+    see `local_piece`) into `param`, a plain tensor or a DTensor shard. A
+    sharded rank cuts its own shard out of the full tensor (no
     communication), so every rank must pass the same full value.
 
     The cut is made on `full`'s device and only the shard moves: loading a
@@ -101,12 +117,12 @@ def copy_full_(param: torch.Tensor, full: torch.Tensor) -> None:
     from torch.distributed.tensor import DTensor, Partial
 
     if not isinstance(param, DTensor):
-        param.copy_(full)
+        param.copy_(full if rows is None else _take(full, 0, rows))
     elif any(isinstance(p, Partial) for p in param.placements):
         raise ValueError(f"copy_full_: a parameter with Partial placements {param.placements} has no full value "
                          "to cut; parameters are Shard or Replicate")
     else:
-        param.to_local().copy_(local_piece(full, param))
+        param.to_local().copy_(local_piece(full, param, rows))
 
 
 def init_param_(param: torch.Tensor, spec: tuple[str, float], seed: int, name: str, device=None) -> None:

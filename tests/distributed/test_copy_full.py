@@ -12,7 +12,7 @@ from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from tests.helpers import spawn
+from tests.helpers import NewTensors, spawn
 from trainlib.params import copy_full_, local_piece
 
 # (shape, placements over mesh (a=2, b=2), whether every rank's indices are contiguous)
@@ -64,7 +64,48 @@ def _check(rank, world):
         assert param.dtype == torch.float32
         assert torch.equal(param.to_local(), want.float()), (shape, placements)
         assert torch.equal(param.full_tensor(), full.float()), (shape, placements)
+        # With `rows` the value is full[rows]: the rank gathers its own rows of it, nothing more.
+        rows = torch.randperm(shape[0], generator=gen)
+        want = distribute_tensor(full[rows], mesh, placements, src_data_rank=None).to_local()
+        assert torch.equal(local_piece(full, param, rows), want), (shape, placements)
+        with CopySources() as seen:
+            copy_full_(param, full, rows)
+        assert [src.shape for src in seen.sources] == [want.shape], (shape, placements, seen.sources)
+        assert torch.equal(param.full_tensor(), full[rows].float()), (shape, placements)
 
 
 def test_copy_full_cuts_each_rank_shard_where_the_value_lives():
     spawn(_check, 4)
+
+
+def _check_hf_load(rank, world, folder):
+    from tests.helpers import build_debug
+    from trainlib.checkpoint.hf import load_hf_into_model, read_hf_folder
+    from trainlib.parallel import ParallelDims
+
+    dims = ParallelDims(world_size=world, dp_shard=2, tp=2)
+    dims.build_mesh("cpu")
+    _, built = build_debug(dims, ["--parallelism.dp_shard=2", "--parallelism.tp=2"])
+    (model,) = built.parts
+    local = {name: tuple(p.to_local().shape) for name, p in model.named_parameters()}
+    with NewTensors() as seen:
+        load_hf_into_model([model], folder, built.model_args)
+    # Only shards are made: wq and wk's rows are gathered in trainlib's rotary order per rank, never the
+    # permuted whole (which every rank made before: 512 MB a block for 405B's wq in bf16).
+    assert {shape for _, shape in seen.made} <= set(local.values()), (seen.made, local)
+    rotary = [local[n] for n in local if n.endswith(("wq.weight", "wk.weight"))]
+    assert sorted(shape for op, shape in seen.made if "index_select" in op) == sorted(rotary), seen.made
+    _, stored = read_hf_folder(folder)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.full_tensor(), stored[name].float()), name
+
+
+def test_hf_import_into_fsdp_over_tp_gathers_only_each_rank_rows(tmp_path):
+    from trainlib.checkpoint.hf import write_hf_folder
+    from trainlib.models.llama3 import Transformer, get_model_args
+
+    args = get_model_args("debug")
+    src = Transformer(args, rope_len=8)
+    src.init_weights(seed=3)
+    write_hf_folder({k: v.to(torch.bfloat16) for k, v in src.state_dict().items()}, args, tmp_path)
+    spawn(_check_hf_load, 4, str(tmp_path))

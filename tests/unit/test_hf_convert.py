@@ -211,10 +211,10 @@ def _bf16_hf_folder(folder, n_layers: int):
     return args, src
 
 
-def _track_conversions(monkeypatch, copies_only: bool):
+def _track_conversions(monkeypatch):
     """(given, alive_at_read), filled as HF weights are put in trainlib's layout: given holds
-    (name, weakref) of each converted weight (with copies_only, only those that are copies: wq and
-    wk; the rest are views of the mapped file), alive_at_read the names still alive at each read."""
+    (name, weakref) of each converted weight that is a copy (wq and wk; the rest are views of the
+    mapped file), alive_at_read the names still alive at each read."""
     import weakref
 
     import trainlib.checkpoint.hf as hf_mod
@@ -224,7 +224,7 @@ def _track_conversions(monkeypatch, copies_only: bool):
     def tracked(name, t, a):
         alive_at_read.append([n for n, ref in given if ref() is not None])
         out = convert(name, t, a)
-        if not (copies_only and out is t):
+        if out is not t:
             given.append((name, weakref.ref(out)))
         return out
 
@@ -232,33 +232,24 @@ def _track_conversions(monkeypatch, copies_only: bool):
     return given, alive_at_read
 
 
-def test_hf_import_reads_and_converts_one_weight_at_a_time_and_casts_no_whole_copy(tmp_path, monkeypatch):
-    """Each rank loads an HF folder weight by weight: a converted weight (wq and wk are permuted
-    copies) is dropped before the next is read, and a bf16 tensor goes into an fp32 parameter by
-    copy_ (no whole fp32 copy first). Eagerly converted, every rank held all blocks' permuted wq and
-    wk at once (72 GB for 405B in bf16); measured in docs/checkpointing.md."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
+def test_hf_import_reads_one_weight_at_a_time_and_casts_no_whole_copy(tmp_path):
+    """Each rank loads an HF folder weight by weight from the mapped files: the only copies are wq's
+    and wk's rows gathered in trainlib's rotary order (on one device the whole weight), each dropped
+    before the next is made, and a bf16 tensor goes into an fp32 parameter by copy_ (no whole fp32
+    copy first). Eagerly converted, every rank held all blocks' permuted wq and wk at once (72 GB for
+    405B in bf16); measured in docs/checkpointing.md. A sharded rank's gathers are its shard's rows
+    (tests/distributed/test_copy_full.py)."""
     import trainlib.checkpoint.hf as hf_mod
+    from tests.helpers import NewTensors
 
     args, src = _bf16_hf_folder(tmp_path / "hf", n_layers=2)
-    given, alive_at_read = _track_conversions(monkeypatch, copies_only=False)
-
-    class Ops(TorchDispatchMode):
-        def __init__(self):
-            super().__init__()
-            self.names = set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            self.names.add(str(func))
-            return func(*args, **(kwargs or {}))
-
     dst = Transformer(args, rope_len=8)
     dst.init_weights(seed=1)
-    with Ops() as ops:
+    with NewTensors() as seen:
         hf_mod.load_hf_into_model([dst], tmp_path / "hf", args)
-    assert len(given) == len(dict(dst.named_parameters())) and all(not alive for alive in alive_at_read), alive_at_read
-    assert "aten.copy_.default" in ops.names and "aten._to_copy.default" not in ops.names, ops.names
+    rotary = [tuple(p.shape) for name, p in dst.named_parameters() if name.endswith(("wq.weight", "wk.weight"))]
+    assert seen.made == [("aten.index_select.default", shape) for shape in rotary], seen.made
+    assert not any(seen.alive_before), seen.alive_before
     for (name, got), want in zip(dst.state_dict().items(), src.state_dict().values()):
         assert torch.equal(got, want.to(torch.bfloat16).float()), name
 
@@ -273,7 +264,7 @@ def test_hf_to_dcp_converts_one_weight_at_a_time_and_writes_trainlib_layout(tmp_
     from trainlib.checkpoint.convert import hf_to_dcp, read_dcp_model
 
     args, src = _bf16_hf_folder(tmp_path / "hf", n_layers=3)
-    given, alive_at_read = _track_conversions(monkeypatch, copies_only=True)
+    given, alive_at_read = _track_conversions(monkeypatch)
     hf_to_dcp(tmp_path / "hf", tmp_path / "dcp")
     assert len(given) == 2 * args.n_layers and max(map(len, alive_at_read)) <= 1, alive_at_read
     # DCP's writer keeps a file's tensors until that file is written: one weight per file bounds it.

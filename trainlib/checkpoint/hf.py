@@ -21,6 +21,7 @@ from trainlib.models.llama3.model import ModelArgs
 from trainlib.models.llama3.state_dict_adapter import (
     args_from_hf_config,
     hf_config_from_args,
+    hf_row_order,
     hf_weight_names,
     hf_weight_to_trainlib,
     trainlib_weight_names,
@@ -84,7 +85,9 @@ class HFWeights(LazyWeights):
     weight may need (wq and wk's rotary permutation) lives until its caller
     drops it: loading a model weight by weight costs a rank about one weight
     of memory, not the model. (It cost every rank the permuted wq and wk of
-    all blocks: 72 GB for Llama 3.1 405B in bf16.)"""
+    all blocks: 72 GB for Llama 3.1 405B in bf16.) A sharded load needs not
+    even that: `load_full_state_into_model` gathers from the stored weight
+    (`stored`, `row_order`) only the rows of the rank's shard."""
 
     def __init__(self, file_of: dict[str, Path], args: ModelArgs):
         self.args = args
@@ -103,6 +106,10 @@ class HFWeights(LazyWeights):
         theirs = self._names[name]
         with safe_open(str(self._file_of[theirs]), framework="pt") as handle:
             return handle.get_tensor(theirs)
+
+    def row_order(self, name: str) -> torch.Tensor | None:
+        """Which stored row each of `self[name]`'s rows is (None: the same)."""
+        return hf_row_order(name, self.args)
 
 
 def read_hf_folder(path: str | os.PathLike) -> tuple[ModelArgs, HFWeights]:
@@ -222,7 +229,10 @@ def load_full_state_into_model(model_parts: list[nn.Module], sd: Mapping[str, to
                           f"{', ...' if len(lacking) > 3 else ''}): point checkpoint.initial_load_path at a whole "
                           "checkpoint of this model")
     for name, p in params:
-        copy_full_(p, sd[name])
+        if isinstance(sd, HFWeights):  # as stored: a shard's rows are put in trainlib's order, never the whole
+            copy_full_(p, sd.stored(name), sd.row_order(name))
+        else:
+            copy_full_(p, sd[name])
 
 
 def load_hf_into_model(model_parts: list[nn.Module], path: str | os.PathLike, expected: Any = None) -> None:

@@ -133,11 +133,21 @@ def _rotary_heads(name: str, args: ModelArgs) -> int | None:
     return None
 
 
+def hf_row_order(ours: str, args: ModelArgs) -> torch.Tensor | None:
+    """For wq and wk, the HF row each trainlib row is (trainlib's row i is
+    HF's row `order[i]`), so a caller can gather only the rows it needs;
+    None for weights HF stores in trainlib's order."""
+    heads = _rotary_heads(ours, args)
+    if heads is None:
+        return None
+    return _hf_to_meta(torch.arange(heads * args.head_dim).unsqueeze(1), heads).squeeze(1)
+
+
 def hf_weight_to_trainlib(ours: str, t: torch.Tensor, args: ModelArgs) -> torch.Tensor:
     """The HF tensor of trainlib weight `ours` in trainlib's layout: wq and
     wk rows permuted to adjacent rotary pairs, the rest as it is."""
-    heads = _rotary_heads(ours, args)
-    return t if heads is None else _hf_to_meta(t, heads)
+    order = hf_row_order(ours, args)
+    return t if order is None else t.index_select(0, order.to(t.device))
 
 
 def trainlib_weight_names(names, args: ModelArgs) -> dict[str, str]:
