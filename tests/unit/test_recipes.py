@@ -1,5 +1,7 @@
 """Every shipped recipe loads and passes the checks that need no GPU; recipes resolve by name."""
 
+from pathlib import Path
+
 import pytest
 
 from tests.helpers import RECIPES
@@ -43,6 +45,13 @@ def test_variants_extend_the_base():
 def test_names_and_card_aliases_resolve_from_any_folder(name, file, tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert resolve_recipe(name).resolve() == (RECIPES / file).resolve()
+
+
+def test_a_pathlike_resolves_like_its_string(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # resolve_recipe takes os.PathLike as well as str
+    (tmp_path / "mine.toml").write_text("[training]\nsteps = 7\n")
+    assert resolve_recipe(tmp_path / "mine.toml") == tmp_path / "mine.toml"
+    assert resolve_recipe(Path("llama70b.toml")).resolve() == (RECIPES / "llama3_70b.toml").resolve()
 
 
 def test_a_path_stays_a_path(tmp_path, monkeypatch):
