@@ -55,6 +55,12 @@ def test_figure_plots_every_field_and_validation_loss_as_its_own_line(resumed):
     assert labels[0] == "resumed: loss 9 -> 1.75 at step 8" and labels[1:] == ["training loss", "validation loss"]
 
 
+def test_the_png_is_titled(resumed):
+    pytest.importorskip("matplotlib", reason=NO_MPL)
+    panels, legend = training_panels([load_run(resumed)])
+    assert figure(panels, legend, "trainlib: resumed").get_suptitle() == "trainlib: resumed"
+
+
 def test_runs_are_told_apart_by_color_and_by_the_config_keys_that_differ(tmp_path):
     dirs = []
     for name, lr in (("a", 0.003), ("b", 0.001)):
