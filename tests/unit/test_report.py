@@ -61,6 +61,14 @@ def test_the_png_is_titled(resumed):
     assert figure(panels, legend, "trainlib: resumed").get_suptitle() == "trainlib: resumed"
 
 
+def test_the_legend_cell_and_the_spare_cells_draw_no_axes(resumed):
+    pytest.importorskip("matplotlib", reason=NO_MPL)
+    panels, legend = training_panels([load_run(resumed)])
+    fig = figure(panels[:3], legend, "t")  # three panels and the legend: two rows, two cells spare
+    assert [ax.axison for ax in fig.axes] == [True] * 3 + [False] * 3
+    assert fig.axes[3].get_legend() is not None and all(ax.get_legend() is None for ax in fig.axes[4:])
+
+
 def test_runs_are_told_apart_by_color_and_by_the_config_keys_that_differ(tmp_path):
     dirs = []
     for name, lr in (("a", 0.003), ("b", 0.001)):
