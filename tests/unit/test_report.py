@@ -102,6 +102,13 @@ def test_default_prefix_is_report_in_the_first_run(resumed, capsys):
                                                str(resumed / "report.png")]
 
 
+def test_out_names_the_prefix_and_its_folder_is_made(resumed, tmp_path, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the page alone: the prefix, not the PNG, is tested here
+    assert main([str(resumed), "--out", str(tmp_path / "new" / "cmp")]) == 0  # --out arrives as a str
+    assert (tmp_path / "new" / "cmp.html").is_file() and not (resumed / "report.html").exists()
+    assert capsys.readouterr().out.splitlines()[-1] == f"wrote {tmp_path / 'new' / 'cmp.html'}"
+
+
 def test_without_matplotlib_the_page_is_still_written(resumed, tmp_path, monkeypatch, capsys):
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib now raises ImportError
     assert report([resumed], tmp_path / "r") == [tmp_path / "r.html"]
