@@ -181,12 +181,14 @@ def set_collective_timeout(seconds: float) -> None:
     made by DeviceMesh start with torch's 30-minute default, not the timeout
     given to init_process_group, so each one is set."""
     timeout = timedelta(seconds=seconds)
+    # Public from torch 2.14; the private one it replaces warns there (a FutureWarning on every run's stderr).
+    set_timeout = getattr(dist, "set_timeout", None) or dist.distributed_c10d._set_pg_timeout
     groups = list(dist.distributed_c10d._world.pg_map.keys())
     for group in groups:
         if dist.get_backend(group) == dist.Backend.FAKE:  # size-1 axes (ParallelDims.build_mesh): never wait
             continue
         try:
-            dist.distributed_c10d._set_pg_timeout(timeout, group)
+            set_timeout(timeout, group)
         except (ValueError, RuntimeError, AssertionError) as e:  # e.g. a group this rank is not in
             logger.debug(f"could not set timeout on {group}: {e}")
 
