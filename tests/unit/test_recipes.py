@@ -6,7 +6,7 @@ import pytest
 
 from tests.helpers import RECIPES
 from trainlib.config import ConfigError, load_job_config, resolve_recipe
-from trainlib.config.validate import resolve_local_batch_size
+from trainlib.config.validate import resolve_local_batch_size, validate_job
 from trainlib.models.llama3 import get_model_args
 from trainlib.parallel import ParallelDims
 
@@ -99,3 +99,6 @@ def test_batch_that_does_not_split_over_the_data_ranks_names_that_rule():
     with pytest.raises(ConfigError, match=r"global_batch_size \(2\) must be divisible"):  # fewer than dp: no lbs 0
         resolve_local_batch_size(load_job_config(None, ["--training.global_batch_size=2"]), dims)
     assert resolve_local_batch_size(load_job_config(None, ["--training.global_batch_size=8"]), dims) == (2, 1)
+    # validate_job (what a hand-written loop and the planner call) applies the batch rules too
+    with pytest.raises(ConfigError, match=r"^training.global_batch_size \(6\) must be divisible"):
+        validate_job(load_job_config(None, ["--training.global_batch_size=6"]), dims, get_model_args("debug"), 256)
