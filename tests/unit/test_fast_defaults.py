@@ -65,7 +65,17 @@ def test_autocast_on_several_ranks_is_a_one_line_error():
     ("fsdp", False, "never", "bfloat16"),
     ("auto", True, "default", "float32"),
 ])
-def test_one_rank_bf16_build(impl, offload, reshard, reduce):
+def test_one_rank_bf16_build(impl, offload, reshard, reduce, monkeypatch):
+    import trainlib.parallel.fsdp as fsdp_mod
+
+    received = {}  # module -> the keyword arguments its fully_shard call got (FSDP's state keeps them privately)
+    shard = fsdp_mod.fully_shard
+
+    def recorded(module, **kw):
+        received[module] = kw
+        return shard(module, **kw)
+
+    monkeypatch.setattr(fsdp_mod, "fully_shard", recorded)
     cfg = load_job_config(None, ["--training.mixed_precision_param=bfloat16",
                                  f"--training.mixed_precision_impl={impl}", f"--parallelism.fsdp_cpu_offload={offload}",
                                  f"--parallelism.fsdp_reshard_after_forward={reshard}",
@@ -73,16 +83,17 @@ def test_one_rank_bf16_build(impl, offload, reshard, reduce):
     built = build_on_one_rank(cfg)
     (model,) = built.parts
     if impl == "auto" and not offload:  # fp32 master weights, no FSDP, bf16 compute by autocast
-        assert built.autocast_dtype == torch.bfloat16 and not isinstance(model, FSDPModule)
+        assert built.autocast_dtype == torch.bfloat16 and not isinstance(model, FSDPModule) and not received
     else:  # asked for, or needed by the CPU offload (FSDP's)
         assert built.autocast_dtype is None and isinstance(model, FSDPModule)
         # The FSDP keys as each block's fully_shard received them: on one rank (CPU) none of them changes the
-        # numbers, so only the block's param group shows one ignored.
+        # numbers, so only the arguments show one ignored.
         for name, block in model.layers.items():
-            group = block._get_fsdp_state()._fsdp_param_group
-            assert (group.post_forward_mesh_info is None) is (reshard == "never"), name
-            assert group.mp_policy.reduce_dtype == getattr(torch, reduce), name
-            assert isinstance(group.offload_policy, CPUOffloadPolicy) is offload, name
+            kw = received[block]
+            assert kw["reshard_after_forward"] is (reshard != "never"), name
+            assert kw["mp_policy"].param_dtype == torch.bfloat16, name
+            assert kw["mp_policy"].reduce_dtype == getattr(torch, reduce), name
+            assert isinstance(kw["offload_policy"], CPUOffloadPolicy) is offload, name
     assert {p.dtype for p in model.parameters()} == {torch.float32}  # FSDP's shards are fp32 too
 
 
