@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import torch
+
 from trainlib.hardware import GPU
 from trainlib.plan.hardware import link_bytes_per_second
 from trainlib.plan.memory import StepShape
@@ -10,6 +12,11 @@ from trainlib.plan.memory import StepShape
 AXIS_OF = {"fsdp_all_gather": "fsdp", "fsdp_reduce_scatter": "fsdp",
            "dp_replicate_all_reduce": "dp_replicate", "tp": "tp", "tp_grad_all_reduce": "tp", "pp_p2p": "pp",
            "cp_kv": "cp"}
+
+# From torch 2.15 FSDP has autograd make each unsharded gradient in reduce_dtype and resolves the pending
+# sums TP leaves on the sequence-parallel norms' gradients when it reduces the gradient; before, it resolved
+# them in the compute dtype in every micro-batch's post-backward.
+_FSDP_GRADS_IN_REDUCE_DTYPE = torch.torch_version.TorchVersion(torch.__version__) >= "2.15"
 
 
 def ring_bytes(n: int, payload: float) -> float:
@@ -28,7 +35,8 @@ def comm_bytes(s: StepShape, *, fsdp_degree: int, dp_replicate: int, grad_accum:
     reduce dtype, as often. HSDP all-reduces the gradient shard over dp_replicate. TP: `tp_bytes`. PP:
     `pp_sends` activations or gradients per micro-batch. CP: `cp_bytes`. Under SP the gradients of the
     norm weights, which TP replicates, are pending sums over tp: FSDP's post-backward all-reduces them per
-    micro-batch in the compute dtype, `clip_grad_norm_` once per step without FSDP (`tp_grad_all_reduce`)."""
+    micro-batch in the compute dtype (from torch 2.15: in the reduce dtype, as often as FSDP reduces),
+    `clip_grad_norm_` once per step without FSDP (`tp_grad_all_reduce`)."""
     a, tp, pp, cp = s.args, s.tp, s.pp, s.cp
     comm: dict[str, float] = {}
     micro_steps = grad_accum if pp == 1 else 1
@@ -46,8 +54,13 @@ def comm_bytes(s: StepShape, *, fsdp_degree: int, dp_replicate: int, grad_accum:
     if tp > 1:
         comm["tp"] = max(tp_bytes(s, ac, len(r.layers), r.has_embedding, r.has_output) for r in ranks) * mbs_per_step
         if s.sp:
-            reduces = mbs_per_step if s.fsdp else 1
-            comm["tp_grad_all_reduce"] = reduces * 2 * ring_bytes(tp, s.elem * max(r.tp_replicated for r in ranks))
+            if not s.fsdp:
+                reduces, elem = 1, s.elem
+            elif _FSDP_GRADS_IN_REDUCE_DTYPE:  # with FSDP's own reduction: per micro-step, once a step under PP
+                reduces, elem = micro_steps, s.reduce_elem
+            else:  # in every micro-batch's post-backward, gradient sync or not
+                reduces, elem = mbs_per_step, s.elem
+            comm["tp_grad_all_reduce"] = reduces * 2 * ring_bytes(tp, elem * max(r.tp_replicated for r in ranks))
     if pp > 1:
         act = s.elem * s.mb_tokens * a.dim / (tp if s.sp else 1)
         owners = [rank for _, rank in sorted((stage, r.pp_rank) for r in ranks for stage in r.stage_ids)]
