@@ -6,10 +6,11 @@ Checked against DTensor's own cut (`distribute_tensor`) for every placement a
 trainlib parameter can have: FSDP's Shard(0), TP's Shard(0)/Shard(1), FSDP over
 TP (_StridedShard), uneven and empty chunks."""
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from tests.helpers import NewTensors, spawn
@@ -72,6 +73,10 @@ def _check(rank, world):
             copy_full_(param, full, rows)
         assert [src.shape for src in seen.sources] == [want.shape], (shape, placements, seen.sources)
         assert torch.equal(param.full_tensor(), full[rows].float()), (shape, placements)
+    # A pending sum has no full value to cut: an error, never a silently wrong shard.
+    pending = DTensor.from_local(torch.zeros(2, 3), mesh, [Partial(), Replicate()], run_check=False)
+    with pytest.raises(ValueError, match=r"^copy_full_: a parameter with Partial placements"):
+        copy_full_(pending, torch.ones(2, 3))
 
 
 def test_copy_full_cuts_each_rank_shard_where_the_value_lives():

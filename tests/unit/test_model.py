@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from trainlib.models import count_params
-from trainlib.params import canonical_name
+from trainlib.params import canonical_name, generate_init
 from trainlib.models.llama3 import (
     Transformer,
     flops_per_token,
@@ -149,3 +149,9 @@ def test_flops_per_token_8b():
     assert math.isclose(f, 6 * n + 12 * 32 * 32 * 128 * 8192)
 
 
+
+
+def test_an_unknown_init_kind_is_an_error_not_a_normal_draw():
+    assert torch.equal(generate_init(("ones", 0.0), (2, 3), 0, "w", "cpu", torch.float32), torch.ones(2, 3))
+    with pytest.raises(ValueError, match=r"^unknown init kind 'zeros' for parameter layers.0.w$"):
+        generate_init(("zeros", 0.02), (2, 3), 0, "layers.0.w", "cpu", torch.float32)
