@@ -14,6 +14,7 @@ import sysconfig
 import tempfile
 import threading
 import traceback
+import weakref
 from pathlib import Path
 
 import pytest
@@ -255,8 +256,6 @@ class NewTensors(TorchDispatchMode):
         self.made, self.alive_before, self._refs = [], [], []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        import weakref
-
         out = func(*args, **(kwargs or {}))
         inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
         if isinstance(out, torch.Tensor) and out.is_floating_point() and out.untyped_storage().data_ptr() not in inputs:

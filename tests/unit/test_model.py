@@ -149,8 +149,6 @@ def test_flops_per_token_8b():
     assert math.isclose(f, 6 * n + 12 * 32 * 32 * 128 * 8192)
 
 
-
-
 def test_an_unknown_init_kind_is_an_error_not_a_normal_draw():
     assert torch.equal(generate_init(("ones", 0.0), (2, 3), 0, "w", "cpu", torch.float32), torch.ones(2, 3))
     with pytest.raises(ValueError, match=r"^unknown init kind 'zeros' for parameter layers.0.w$"):
