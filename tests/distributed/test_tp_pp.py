@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from tests.helpers import BytesSent, build_debug, spawn
+from tests.helpers import BytesSent, build_debug, gloo_schedules, spawn
 from trainlib.errors import ConfigError
 from trainlib.models.llama3 import Transformer, get_model_args, parallelize_llama
 from trainlib.parallel import ParallelDims
@@ -53,8 +53,9 @@ def _check_pp_sends(world):
     dims = ParallelDims(world_size=world, dp_shard=1, pp=2)
     dims.build_mesh("cpu")
     tokens = torch.randint(0, 512, (4, 33), generator=torch.Generator().manual_seed(0))
-    batch = {"input": tokens[:, :-1], "labels": tokens[:, 1:]}
-    for schedule, sends in (("1F1B", 1), ("Interleaved1F1B", 3), ("ZBVZeroBubble", 2)):
+    batch = {"input": tokens[:, :-1], "labels": tokens[:, 1:]}  # strided views, as a custom loop may pass
+    schedules = [("1F1B", 1), ("Interleaved1F1B", 3), ("ZBVZeroBubble", 2)]
+    for schedule, sends in [(s, n) for s, n in schedules if s in gloo_schedules()]:  # ZBV: torch >= 2.13
         _, built = build_debug(dims, ["--parallelism.pp=2", "--parallelism.dp_shard=1",
                                       f"--parallelism.pp_schedule={schedule}"])
         pipeline = built.pipeline

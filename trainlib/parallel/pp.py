@@ -144,7 +144,9 @@ class Pipeline:
         self._n_targets = n_targets
         loss_sum = torch.zeros((), device=device)
         for mb in micro_batches:
-            args = (mb["input"].to(device),) if self.has_first else ()
+            # contiguous: torch 2.11's first stage refuses an input whose strides differ from the ones it
+            # planned (a custom loop's tokens[:, :-1] of [b, seq + 1] windows); a no-op for the loaders' batches.
+            args = (mb["input"].to(device).contiguous(),) if self.has_first else ()
             labels = mb["labels"].to(device) if self.has_last else None
             # Keyword arguments of `step` reach every stage's forward (split by micro-batch
             # like the input), on every rank: so every stage masks by document.
