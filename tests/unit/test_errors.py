@@ -222,3 +222,31 @@ def test_a_config_error_is_one_line_whatever_its_message():
 
     assert str(ConfigError("model.dim (7)\n   must be even;\r\n  set it to 8 ")) == \
         "model.dim (7) must be even; set it to 8"
+
+
+def test_verdict_lines_of_a_stop_and_a_preemption_are_said_by_local_rank_0(capsys, monkeypatch):
+    from trainlib.errors import Preempted, TrainingStopped, print_once_per_node, verdict_line
+
+    preempted = Preempted(4)
+    assert preempted.step == 4  # what a caller restarting the job reads
+    assert verdict_line(preempted) == ("trainlib: preempted: SIGTERM or SIGUSR1: stopped after step 4, its "
+                                       "checkpoint is saved; launch the same command again to continue")
+    assert verdict_line(TrainingStopped("step 3: loss is nan")) == "trainlib: stopped: step 3: loss is nan"
+    for local_rank, said in (("1", ""), ("0", "a verdict\n")):  # every rank reaches it alike: one copy a node
+        monkeypatch.setenv("LOCAL_RANK", local_rank)
+        print_once_per_node("a verdict")
+        assert capsys.readouterr().err == said
+
+
+def test_a_crash_is_named_in_torchruns_summary_with_its_traceback_file(capsys, tmp_path, monkeypatch):
+    from trainlib.errors import report_crash
+
+    error_file = tmp_path / "error.json"
+    monkeypatch.setenv("TORCHELASTIC_ERROR_FILE", str(error_file))
+    report_crash(_raised(RuntimeError("broke")), tmp_path / "run")
+    assert json.loads(error_file.read_text())["message"]["message"] == \
+        f"RuntimeError: broke (traceback: {tmp_path}/run/errors/rank0.txt)"
+    error_file.unlink()
+    report_crash(_raised(RuntimeError("early")), None)  # no traceback file to name: left to torchrun
+    assert not error_file.exists()
+    capsys.readouterr()
