@@ -27,6 +27,7 @@ import pytest
      "checkpoint.export_hf = true needs checkpoint.enable = true"),
     (["--training.gc_freq=-1"], "training.gc_freq must be >= 0 (0 = automatic collection), got -1"),
     (["--comm.train_timeout_seconds=0"], "comm.train_timeout_seconds must be > 0 seconds, got 0.0"),
+    (["--comm.backend=nccl", "--job.device=cpu"], "comm.backend = 'nccl' needs job.device = 'cuda'; use 'gloo' on CPU"),
     (["--float8.min_size=-1"], "float8.min_size must be >= 0 (or unset for the recipe's bound), got -1"),
     (["--parallelism.pp_microbatches=0"], "parallelism.pp_microbatches must be >= 1 (or unset for the default)"),
     (["--parallelism.dp_shard=1", "--parallelism.tp=2"],

@@ -242,3 +242,38 @@ def test_init_timeout_reaches_the_process_group(monkeypatch):
         monkeypatch.delenv(var, raising=False)
     init_distributed(CommConfig(init_timeout_seconds=7), "cpu")
     assert [kw["timeout"] for kw in calls] == [timedelta(seconds=7)]
+
+
+def test_init_is_once_per_process_and_auto_picks_the_backend(monkeypatch):
+    import torch
+
+    from trainlib.distributed import DistInfo, resolve_backend
+
+    assert resolve_backend("auto", torch.device("cuda", 0)) == "nccl"
+    assert resolve_backend("auto", torch.device("cpu")) == "gloo"
+    assert resolve_backend("gloo", torch.device("cuda", 0)) == "gloo"  # as set
+    for var in ("RANK", "WORLD_SIZE"):
+        monkeypatch.delenv(var, raising=False)
+    try:
+        first = init_distributed(CommConfig(), "cpu")
+        # A custom loop that set up the process group itself: init_distributed describes it, never re-creates it.
+        assert init_distributed(CommConfig(), "cpu") == first == DistInfo(0, 0, 1, torch.device("cpu"))
+        assert dist.get_backend() == "gloo"
+    finally:
+        destroy_distributed()
+
+
+def test_nccl_flight_recorder_dumps_into_the_run_folder_where_the_user_set_nothing(tmp_path, monkeypatch):
+    from trainlib.distributed import _nccl_flight_recorder
+
+    for var in ("TORCH_NCCL_DUMP_ON_TIMEOUT", "TORCH_FR_DUMP_TEMP_FILE"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TORCH_NCCL_TRACE_BUFFER_SIZE", "50")  # the user's
+    _nccl_flight_recorder(tmp_path / "hang")
+    assert (tmp_path / "hang").is_dir()  # the recorder writes there, it does not make the folder
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "50"
+    assert os.environ["TORCH_NCCL_DUMP_ON_TIMEOUT"] == "1"
+    assert os.environ["TORCH_FR_DUMP_TEMP_FILE"] == str(tmp_path / "hang" / "nccl_trace_rank_")
+    monkeypatch.delenv("TORCH_NCCL_TRACE_BUFFER_SIZE")
+    _nccl_flight_recorder(tmp_path / "hang")
+    assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
