@@ -169,3 +169,19 @@ def test_gc_jitter_script_reports_both_modes(capsys):
     rows = [x.split() for x in capsys.readouterr().out.splitlines() if x.split() and x.split()[0].isdigit()]
     assert [r[0] for r in rows] == ["0", "2"]
     assert rows[1][rows[1].index("gen2") + 1] == "2"  # the scheduled ones, before steps 2 and 4
+
+
+def test_a_step_out_of_memory_dumps_the_snapshot_named_by_its_step_and_still_fails(tmp_path, monkeypatch):
+    """A resumed run (start step 2) whose first step runs out of memory: the dump is named for step 3."""
+    ckpt = ["--checkpoint.enable=true", "--checkpoint.interval=2"]
+    train(_cfg(tmp_path, "--training.steps=2", *ckpt))
+    names = []
+    monkeypatch.setattr(Profiler, "dump_memory", lambda self, name: names.append(name))
+
+    def out_of_memory(*args, **kwargs):
+        raise torch.OutOfMemoryError("out of memory (injected)")
+
+    monkeypatch.setattr(train_module, "forward_backward", out_of_memory)
+    with pytest.raises(torch.OutOfMemoryError, match="injected"):
+        train(_cfg(tmp_path, "--training.steps=4", *ckpt))
+    assert names == ["oom_step3"]
