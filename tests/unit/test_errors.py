@@ -249,4 +249,3 @@ def test_a_crash_is_named_in_torchruns_summary_with_its_traceback_file(capsys, t
     error_file.unlink()
     report_crash(_raised(RuntimeError("early")), None)  # no traceback file to name: left to torchrun
     assert not error_file.exists()
-    capsys.readouterr()
