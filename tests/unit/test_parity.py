@@ -1,9 +1,15 @@
 """The parity tool itself: layouts parsed into CLI arguments, and the comparison
 every layout test relies on (a comparison that always said 0 would pass them all)."""
 
+import json
 import math
+import subprocess
+from pathlib import Path
+
+import pytest
 
 from trainlib import parity
+from trainlib.config import ConfigError
 from trainlib.parity import LayoutRun, parse_layout, run_parity
 
 
@@ -44,3 +50,62 @@ def test_cli_fails_a_layout_past_the_tolerance(monkeypatch, capsys):
     assert "FAIL: max relative loss deviation 1.00e-04 (tolerance 1e-05)" in capsys.readouterr().out
     assert parity.main(["--layouts", "tp=2", "--steps", "2", "--tol", "1e-3"]) == 0
     assert "PASS: max relative loss deviation 1.00e-04 (tolerance 1e-03)" in capsys.readouterr().out
+
+
+def test_table_shows_each_steps_deviation_a_missing_step_and_each_layouts_maximum(monkeypatch):
+    curves = {"": ([4.0, 2.0], [1.0, 1.0]), "tp=2": ([4.0, 2.02], [1.0, 1.5]), "pp=2": ([4.0], [1.0])}
+    _run_layouts_as(curves, monkeypatch)
+    lines = run_parity(None, ["tp=2", "pp=2"], steps=2).table().splitlines()
+    assert lines[0].split() == ["step", "baseline", "loss", "tp=2", "pp=2"]
+    assert lines[2].split() == ["1", "4.000000", "0.00e+00", "0.00e+00"]
+    assert lines[3].split() == ["2", "2.000000", "1.00e-02", "missing"]
+    assert lines[4] == "max relative deviation (loss / grad_norm):"
+    assert lines[5].split() == ["tp=2", "1.00e-02", "/", "5.00e-01", "(2", "procs)"]
+    assert lines[6].split() == ["pp=2", "inf", "/", "inf", "(2", "procs)"]
+    assert len(lines) == 7
+
+
+def _fake_job(monkeypatch, returncode=0, stderr="", metrics=()):
+    """`_run` answers as a job would: it writes `metrics` to the run folder its command names; the commands are kept."""
+    commands = []
+
+    def run(cmd, name, timeout):
+        commands.append(cmd)
+        folder = Path(next(a for a in cmd if a.startswith("--job.dump_folder=")).partition("=")[2])
+        folder.mkdir(parents=True)
+        (folder / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in metrics))
+        return subprocess.CompletedProcess(cmd, returncode, "out\n", stderr)
+
+    monkeypatch.setattr(parity, "_run", run)
+    return commands
+
+
+def test_run_layout_launches_the_layouts_world_and_reads_its_curve(monkeypatch, tmp_path):
+    commands = _fake_job(monkeypatch, metrics=[{"loss": 3.0, "grad_norm": 2.0}, {"loss": 2.5, "grad_norm": 1.5}])
+    run = parity.run_layout("r.toml", "dp_shard=2,tp=2", 2, tmp_path, ["--optimizer.lr=1e-3"])
+    assert (run.name, run.nproc, run.losses, run.grad_norms) == ("dp_shard=2,tp=2", 4, [3.0, 2.5], [2.0, 1.5])
+    assert run.output == "out\n"
+    cmd = commands[0]
+    assert "--nproc-per-node=4" in cmd and cmd[cmd.index("--recipe") + 1] == "r.toml"
+    assert {"--training.steps=2", "--optimizer.lr=1e-3", "--parallelism.tp=2", "--parallelism.dp_shard=2",
+            f"--job.dump_folder={tmp_path / 'dp_shard2_tp2'}"} <= set(cmd)
+    single = parity.run_layout(None, "", 2, tmp_path / "b")
+    assert single.name == "single" and "--recipe" not in commands[1] and "torch.distributed.run" not in commands[1]
+
+
+def test_run_layout_passes_a_jobs_input_error_on_as_one_line_and_keeps_an_internal_errors_tail(monkeypatch, tmp_path):
+    _fake_job(monkeypatch, 1, "[rank0]: noise\ntrainlib: error: training.steps must be >= 1\n")
+    with pytest.raises(ConfigError, match=r"^layout 'tp=2': training.steps must be >= 1$"):
+        parity.run_layout(None, "tp=2", 2, tmp_path)
+    _fake_job(monkeypatch, 1, "Traceback (most recent call last):\nRuntimeError: boom\n")
+    with pytest.raises(RuntimeError, match=r"layout 'tp=2' failed \(exit 1\):\nout\nTraceback .*\nRuntimeError: boom"):
+        parity.run_layout(None, "tp=2", 2, tmp_path / "again")
+
+
+def test_cli_prints_the_table_and_writes_the_plot(monkeypatch, capsys, tmp_path):
+    _run_layouts_as({"": ([4.0, 2.0], [1.0, 1.0]), "tp=2": ([4.0, 2.0], [1.0, 1.0])}, monkeypatch)
+    assert parity.main(["--layouts", "tp=2", "--steps", "2", "--plot", str(tmp_path / "p")]) == 0
+    out = capsys.readouterr().out
+    assert "max relative deviation (loss / grad_norm):" in out
+    assert f"wrote {tmp_path / 'p.png'}" in out and f"wrote {tmp_path / 'p.html'}" in out
+    assert (tmp_path / "p.png").stat().st_size > 0 and (tmp_path / "p.html").stat().st_size > 0
