@@ -56,6 +56,21 @@ def test_gpu_without_float8_is_refused_clearly(monkeypatch):
     check_float8_hardware(Float8Config(enable=True), torch.device("cuda"))
 
 
+def test_building_a_float8_model_for_a_gpu_without_float8_is_refused_before_any_conversion(monkeypatch):
+    from trainlib.build import build_model_parts
+    from trainlib.config import load_job_config
+    from trainlib.parallel import ParallelDims
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: "NVIDIA A100-SXM4-80GB")
+    converted = []
+    monkeypatch.setattr("trainlib.build.convert_float8", lambda *a, **k: converted.append(a))
+    cfg = load_job_config(None, ["--float8.enable=true"])
+    with pytest.raises(ValueError, match=r"sm_80.*float8.emulate=true"):
+        build_model_parts(cfg, ParallelDims(world_size=1), torch.device("cuda"))
+    assert converted == []
+
+
 @pytest.mark.parametrize("recipe", ["rowwise", "rowwise_with_gw_hp"])
 def test_rowwise_on_a_cpu_torch_without_row_scaled_matmuls_is_refused(monkeypatch, recipe):
     from trainlib.config import load_job_config
