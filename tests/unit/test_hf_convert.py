@@ -263,10 +263,18 @@ def test_hf_to_dcp_converts_one_weight_at_a_time_and_writes_trainlib_layout(tmp_
 
     from trainlib.checkpoint.convert import hf_to_dcp, read_dcp_model
 
+    import safetensors
+
     args, src = _bf16_hf_folder(tmp_path / "hf", n_layers=3)
     given, alive_at_read = _track_conversions(monkeypatch)
+    opened, safe_open = [], safetensors.safe_open
+    monkeypatch.setattr(safetensors, "safe_open", lambda path, **kw: opened.append(path) or safe_open(path, **kw))
     hf_to_dcp(tmp_path / "hf", tmp_path / "dcp")
     assert len(given) == 2 * args.n_layers and max(map(len, alive_at_read)) <= 1, alive_at_read
+    # Each file's header is parsed once to list its weights and once per weight for the planned tensor; the
+    # writer converts that tensor (it reopened the file for every weight, doubling the header reads).
+    n_files = len(list((tmp_path / "hf").glob("*.safetensors")))
+    assert len(opened) == n_files + len(src.state_dict()), len(opened)
     # DCP's writer keeps a file's tensors until that file is written: one weight per file bounds it.
     storage = FileSystemReader(str(tmp_path / "dcp")).read_metadata().storage_data
     files = [info.relative_path for index, info in storage.items() if index.fqn.startswith("model.")]

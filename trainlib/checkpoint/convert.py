@@ -50,18 +50,19 @@ def hf_to_dcp(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> ModelArg
 
 class _ConvertOnWrite(DefaultSavePlanner):
     """Hands the writer each model weight of `weights` in trainlib's layout,
-    converted when asked for; the planned state dict holds the stored tensors
-    (same shapes and dtypes)."""
+    converted when asked for from the stored tensor the planned state dict
+    holds (same shape and dtype; its file is not opened again)."""
 
     def __init__(self, weights: HFWeights):
         super().__init__()
         self._weights = weights
 
     def lookup_object(self, index):
+        stored = super().lookup_object(index)
         name = index.fqn.removeprefix("model.")
         if index.fqn.startswith("model.") and name in self._weights:
-            return self._weights[name]
-        return super().lookup_object(index)
+            return self._weights.convert(name, stored)
+        return stored
 
 
 class _OneMetadataReader(FileSystemReader):

@@ -95,7 +95,11 @@ class HFWeights(LazyWeights):
         self._names = hf_weight_names(file_of, args)  # trainlib name -> HF name
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        return hf_weight_to_trainlib(name, self.stored(name), self.args)
+        return self.convert(name, self.stored(name))
+
+    def convert(self, name: str, stored: torch.Tensor) -> torch.Tensor:
+        """`self[name]` from `stored`, its tensor as `stored(name)` gave it (read again, a file is reopened)."""
+        return hf_weight_to_trainlib(name, stored, self.args)
 
     def stored(self, name: str) -> torch.Tensor:
         """Weight `name` as the file stores it (HF's layout), memory-mapped:
