@@ -395,6 +395,16 @@ def test_suggest_ranks_fitting_layouts_by_step_time():
     assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
     assert all(r["tp"] * r["pp"] * r["cp"] * r["dp_replicate"] * r["dp_shard"] == 8 for r in rows)
     assert {r["tp"] for r in rows} == {1, 2}  # tp divides the 2 kv heads
+    # A batch of 4 rejects 9 of the 42 layouts that fit 8 GPUs (8 data-parallel ranks cannot split it): none
+    # is listed, and each row's overrides plan that very row (pipelines with 1F1B).
+    batch = ["training.global_batch_size=4"]
+    rows = suggest(DEBUG, 8, "h100", batch, top=50)
+    assert len(rows) == 33 and all(r["dp_replicate"] * r["dp_shard"] <= 4 for r in rows)
+    for r in rows:
+        assert ("parallelism.pp_schedule=1F1B" in r["set"]) == (r["pp"] > 1), r
+        p = make_plan(DEBUG, 8, "h100", batch + r["set"])
+        assert (p.degrees["tp"], p.degrees["pp"], p.degrees["cp"], p.degrees["dp_shard"], p.step_seconds) == (
+            r["tp"], r["pp"], r["cp"], r["dp_shard"], r["step_s"]), r
 
 
 def test_every_shipped_recipe_plans_and_fits_its_target_cluster():
@@ -406,3 +416,43 @@ def test_every_shipped_recipe_plans_and_fits_its_target_cluster():
         assert name == "debug.toml" or plan.model.startswith("llama3.")
 
 
+
+
+def test_plan_table_has_a_memory_row_per_pipeline_rank_a_line_per_link_and_the_warnings():
+    import dataclasses
+
+    from trainlib.plan.cli import format_plan
+
+    p = make_plan(DEBUG, 8, overrides=["parallelism.tp=2", "parallelism.pp=2"])
+    lines = format_plan(dataclasses.replace(p, warnings=["w1", "w2"])).splitlines()
+    head = lines.index("memory per rank (MiB), per pipeline rank")
+    keys = list(p.stages[0].memory)
+    assert lines[head + 1].split() == ["pp", "rank", "blocks", *keys, "total"]
+    for s, line in zip(p.stages, lines[head + 2:head + 4], strict=True):
+        cells = line.split()
+        assert cells[:2] == [str(s.pp_rank), "2+emb" if s.pp_rank == 0 else "2+out"]
+        assert [float(c) for c in cells[2:]] == pytest.approx(
+            [s.memory[k] / 2**20 for k in keys] + [s.total_bytes / 2**20], abs=0.006)
+    comm = lines.index("communication per rank per step")
+    assert comm == head + 5 and [x.split()[0] for x in lines[comm + 1:comm + 1 + len(p.comm_bytes)]] == list(p.comm_bytes)
+    assert lines[-2:] == ["warning: w1", "warning: w2"]
+    assert "  none" in format_plan(dataclasses.replace(p, comm_bytes={}, comm_seconds={})).splitlines()
+
+
+def test_cli_suggest_lists_the_searchs_rows_and_refuses_a_world_below_one(capsys):
+    from trainlib.plan.cli import format_suggestions
+
+    assert main(["--recipe", DEBUG, "--world-size", "8", "--suggest", "--top", "3"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    rows = suggest(DEBUG, 8, "h100", top=3)
+    assert lines[0] == f"layouts of {DEBUG} on 8 x H100 SXM 80GB that fit, fastest first:"
+    assert lines[1].split() == ["tp", "pp", "cp", "dp_rep", "dp_shard", "ac", "peak", "GiB", "step", "s", "MFU"]
+    assert [x.split()[:6] for x in lines[2:]] == [
+        [str(r[k]) for k in ("tp", "pp", "cp", "dp_replicate", "dp_shard", "ac")] for r in rows]
+    assert main(["--recipe", DEBUG, "--world-size", "8", "--suggest", "--top", "2", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(rows[:2]))
+    assert format_suggestions([], DEBUG, 8, "h100").splitlines()[-1] == (
+        "  none fits: lower the local batch or sequence length, or add GPUs")
+    assert main(["--recipe", DEBUG, "--world-size", "0"]) == 2
+    assert capsys.readouterr().err == "trainlib.plan: error: --world-size must be >= 1, got 0\n"
+    assert main(["--help"]) == 0 and "--suggest" in capsys.readouterr().out
