@@ -30,7 +30,8 @@ def test_dcp_to_hf_takes_the_shape_from_the_run_config_when_the_checkpoint_lacks
     ckpt = tmp_path / "run" / "checkpoint" / "step-1"
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)  # no trainer.model_args
     assert main(["dcp-to-hf", str(ckpt), str(tmp_path / "out")]) == 2
-    assert "does not record the model shape" in capsys.readouterr().err
+    assert capsys.readouterr().err == (f"trainlib.convert: error: {ckpt} does not record the model shape and no run "
+                                       "config.toml is two folders up: pass --flavor\n")
     from trainlib.checkpoint.convert import dcp_to_hf
     from trainlib.errors import ConfigError
 
@@ -41,6 +42,28 @@ def test_dcp_to_hf_takes_the_shape_from_the_run_config_when_the_checkpoint_lacks
     save_config(cfg, tmp_path / "run" / "config.toml")
     assert main(["dcp-to-hf", str(ckpt), str(tmp_path / "out")]) == 0
     assert json.loads((tmp_path / "out" / "config.json").read_text())["num_hidden_layers"] == 2
+
+
+def test_convert_cli_flavor_dtype_and_shard_size(tmp_path, capsys):
+    import torch.distributed.checkpoint as dcp
+    from safetensors import safe_open
+
+    from trainlib.convert import main
+    from trainlib.models.llama3 import get_model_args
+
+    model = Transformer(get_model_args("debug"), rope_len=8)
+    model.init_weights(seed=0)
+    ckpt, out = tmp_path / "step-1", tmp_path / "hf"
+    dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)  # no shape, no run config
+    assert main(["dcp-to-hf", str(ckpt), str(out), "--flavor", "debug", "--max-shard-gb", "0"]) == 2
+    assert capsys.readouterr().err == "trainlib.convert: error: --max-shard-gb must be > 0, got 0.0\n"
+    assert main(["dcp-to-hf", str(ckpt), str(out), "--flavor", "debug", "--dtype", "bfloat16"]) == 0
+    assert capsys.readouterr().out == f"wrote 1 safetensors file(s) and config.json to {out}\n"
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 4
+    with safe_open(str(out / "model.safetensors"), framework="pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    assert main(["hf-to-dcp", str(out), str(tmp_path / "dcp")]) == 0
+    assert capsys.readouterr().out == f"wrote DCP checkpoint {tmp_path / 'dcp'} (dim=64, n_layers=4)\n"
 
 
 def _meta_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
