@@ -9,6 +9,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 
 from trainlib.checkpoint import (CheckpointConfig, Checkpointer, ModelState, OptimizerState, TrainState,
                                  checkpoint_problem, complete_steps, step_folder)
+from trainlib.checkpoint.bench import blocked_seconds
 
 
 def test_dataloader_state_under_incompatible_dp_is_a_clear_error():
@@ -290,6 +291,7 @@ def test_a_preemption_saves_its_step_once(tmp_path, caplog):
     ck.maybe_save(3, last_step=4)
     ck.save_now()  # step 3 was not due: written now
     assert complete_steps(ck.root) == [2, 3] and caplog.text.count("checkpoint step 3: loop blocked") == 1
+    assert len(blocked_seconds(caplog.text)) == 2  # the lines the checkpoint benchmark reads
     _, _, _, off = _job(tmp_path / "off", enable=False)
     off.maybe_save(1, last_step=4)
     off.save_now()  # checkpoints off: a preemption writes none
@@ -308,3 +310,24 @@ def test_restore_latest_reloads_the_newest_checkpoint_except_the_excluded_parts(
     assert ck.restore_latest(exclude=["scheduler"]) == 2
     assert torch.equal(model.output.weight, saved) and ck.train_state.step == 2
     assert sched.last_epoch == 3  # excluded: not rolled back
+
+
+def test_checkpoint_bench_tables_each_modes_first_and_median_later_save(monkeypatch, capsys):
+    from trainlib.checkpoint import bench
+
+    runs = []
+
+    def run(recipe, args, nproc):
+        runs.append((recipe, args, nproc))
+        mode = next(a for a in args if a.startswith("--checkpoint.async_mode=")).partition("=")[2]
+        return {"disabled": [2.0, 1.0, 3.0, 2.5], "async": [0.5, 0.1], "async_with_pinned_mem": [0.4]}[mode], 9.0
+
+    monkeypatch.setattr(bench, "run", run)
+    assert bench.main(["--model", "debug", "--steps", "4", "--interval", "1", "--nproc", "2",
+                       "--optimizer.lr=0.1"]) == 0
+    assert capsys.readouterr().out.splitlines()[2:] == [
+        "| debug | disabled | 2.000 | 2.500 | 9.0 |",
+        "| debug | async | 0.500 | 0.100 | 9.0 |",
+        "| debug | async_with_pinned_mem | 0.400 | nan | 9.0 |"]
+    assert [r[2] for r in runs] == [2, 2, 2] and all(
+        {"--training.steps=4", "--checkpoint.interval=1", "--optimizer.lr=0.1"} <= set(r[1]) for r in runs)

@@ -41,6 +41,11 @@ def _args(model: str, mode: str, steps: int, interval: int, folder: str, overrid
             f"--checkpoint.async_mode={mode}", "--checkpoint.fresh_start=true"]
 
 
+def blocked_seconds(output: str) -> list[float]:
+    """Each save's "loop blocked" time in a job's log (Checkpointer.save's line), in order."""
+    return [float(x) for x in re.findall(r"loop blocked ([0-9.]+) s", output)]
+
+
 def run(recipe: str | None, args: list[str], nproc: int) -> tuple[list[float], float]:
     t0 = time.perf_counter()
     proc = subprocess.run(train_command(nproc, (["--recipe", recipe] if recipe else []) + args),
@@ -48,8 +53,7 @@ def run(recipe: str | None, args: list[str], nproc: int) -> tuple[list[float], f
     wall = time.perf_counter() - t0
     if proc.returncode:
         raise RuntimeError(proc.stdout[-2000:] + proc.stderr[-2000:])
-    blocked = [float(x) for x in re.findall(r"loop blocked ([0-9.]+) s", proc.stdout)]
-    return blocked, wall
+    return blocked_seconds(proc.stdout), wall
 
 
 def main(argv=None) -> int:
