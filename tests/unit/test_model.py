@@ -153,3 +153,26 @@ def test_an_unknown_init_kind_is_an_error_not_a_normal_draw():
     assert torch.equal(generate_init(("ones", 0.0), (2, 3), 0, "w", "cpu", torch.float32), torch.ones(2, 3))
     with pytest.raises(ValueError, match=r"^unknown init kind 'zeros' for parameter layers.0.w$"):
         generate_init(("zeros", 0.02), (2, 3), 0, "layers.0.w", "cpu", torch.float32)
+
+
+def test_a_model_built_on_meta_and_materialised_equals_one_built_on_the_cpu():
+    # to_empty leaves the rotary table as whatever memory held: init_weights computes it again.
+    args = get_model_args("debug")
+    ref = Transformer(args, rope_len=32)
+    ref.init_weights(seed=3)
+    with torch.device("meta"):
+        model = Transformer(args, rope_len=32)
+    model.to_empty(device="cpu")
+    model.rope.fill_(float("nan"))
+    model.init_weights(seed=3)
+    tokens = torch.randint(0, args.vocab_size, (2, 32), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(model(tokens), ref(tokens))
+
+
+def test_a_rotary_table_longer_than_the_input_gives_the_same_output():
+    args = get_model_args("debug")
+    short, long = Transformer(args, rope_len=16), Transformer(args, rope_len=64)
+    short.init_weights(seed=0)
+    long.init_weights(seed=0)
+    tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
+    assert torch.equal(long(tokens), short(tokens))
