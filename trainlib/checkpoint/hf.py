@@ -98,7 +98,7 @@ class HFWeights(LazyWeights):
         return self.convert(name, self.stored(name))
 
     def convert(self, name: str, stored: torch.Tensor) -> torch.Tensor:
-        """`self[name]` from `stored`, its tensor as `stored(name)` gave it (read again, a file is reopened)."""
+        """`self[name]` made from `stored`, a tensor `stored(name)` returned: its file is not opened again."""
         return hf_weight_to_trainlib(name, stored, self.args)
 
     def stored(self, name: str) -> torch.Tensor:
