@@ -73,8 +73,8 @@ PRESETS: dict[str, tuple[dict, list[str]]] = {
     "8b8-compile-sac": (L8B, COMPILE + SAC),
     "8b8-compile-none": (L8B, COMPILE + NO_AC),
     "8b8-compile-sac-f8tw": (L8B, COMPILE + SAC + F8_TW),
-    "8b8-compile-sac-f8rw": (L8B, COMPILE + SAC + F8_RW),  # refused at setup while the NaN stands
-    "8b8-compile-sacall-f8rw": (L8B, COMPILE + SAC_ALL + F8_RW),  # rowwise's SAC that is not refused
+    "8b8-compile-sac-f8rw": (L8B, COMPILE + SAC + F8_RW),  # the combination that trained NaN before the fix
+    "8b8-compile-sacall-f8rw": (L8B, COMPILE + SAC_ALL + F8_RW),  # rowwise saving every matmul
     "8b8-seq32k-compile-full": ({**L8B, "seq": 32768}, COMPILE + FULL_AC),
     "8b8-seq32k-compile-full-closs": ({**L8B, "seq": 32768}, COMPILE + FULL_AC + ["--compile.loss=true"]),
     "1b16-compile-none": (L1B, COMPILE + NO_AC),

@@ -59,7 +59,6 @@ def validate_job(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs, toke
     _validate_tp_pp(cfg, dims, model_args)
     _validate_cp(cfg, dims)
     _validate_cpu_offload(cfg, dims)
-    _validate_float8(cfg)
     if cfg.model.attn_mask == "document":
         forward = get_model_spec(cfg.model.name).model_cls.forward
         if "doc_ids" not in inspect.signature(forward).parameters:
@@ -213,12 +212,3 @@ def _validate_cpu_offload(cfg: JobConfig, dims: ParallelDims) -> None:
             f"training.mixed_precision_param = 'bfloat16', on one such rank (mixed_precision_impl 'auto' or "
             f"'fsdp'; here {t.mixed_precision_param}, {t.mixed_precision_impl}); set fsdp_cpu_offload = false or "
             f"use more data-parallel ranks")
-
-
-def _validate_float8(cfg: JobConfig) -> None:
-    from trainlib.float8 import refusal
-
-    ac = cfg.activation_checkpoint
-    why = cfg.float8.enable and refusal(cfg.float8.recipe, cfg.compile.enable, ac.mode, ac.selective_op_policy)
-    if why:
-        raise ConfigError(why)
