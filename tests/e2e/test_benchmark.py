@@ -42,3 +42,35 @@ def test_benchmark_presets_print_the_planner_beside_the_run(tmp_path):
     assert row["tokens_per_second"] > 0 and row["peak_memory_gib"] > 0 and 4 < row["final_loss"] < 7
     assert row["plan_gpu"] == "h100" and 0 < row["plan_step_s"] < 1 and 0 < row["plan_peak_gib"] < 1
 
+
+def _gpu_check(tmp_path, *args, **env):
+    return subprocess.run(["bash", "scripts/gpu_check.sh", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=600, env={**os.environ, "PYTHON": sys.executable, **env})
+
+
+def test_gpu_check_runs_the_gpu_tests_then_the_presets(tmp_path):
+    # Rehearsed on CPU: the GPU tests skip, the preset runs at the smoke shape.
+    proc = _gpu_check(tmp_path, str(tmp_path / "out"), "300", "8b8-eager-sac", TESTS="training",
+                      BENCH_ARGS="--cpu-smoke")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "5 skipped" in (tmp_path / "out" / "gpu_training.log").read_text()
+    assert not (tmp_path / "out" / "float8.log").exists()
+    (row,) = json.loads((tmp_path / "out" / "bench.json").read_text())
+    assert row["config"] == "8b8-eager-sac" and row["tokens_per_second"] > 0
+    assert "| 8b8-eager-sac" in proc.stdout and "gpu_check done in" in proc.stdout
+
+
+def test_gpu_check_input_errors_failed_tests_and_a_spent_budget(tmp_path):
+    proc = _gpu_check(tmp_path)
+    assert proc.returncode == 2 and proc.stderr.startswith("usage: bash scripts/gpu_check.sh OUT_DIR BUDGET_SECONDS")
+    proc = _gpu_check(tmp_path, str(tmp_path / "a"), "9m")
+    assert proc.returncode == 2 and "BUDGET_SECONDS must be a whole number of seconds, not '9m'" in proc.stderr
+    proc = _gpu_check(tmp_path, str(tmp_path / "a"), "30", TESTS="gpu")
+    assert proc.returncode == 2 and "TESTS must be all, float8, training or none, not 'gpu'" in proc.stderr
+    # A test run that fails (here a Python that exits 1) fails the script.
+    proc = _gpu_check(tmp_path, str(tmp_path / "b"), "30", TESTS="float8", PYTHON="false")
+    assert proc.returncode == 1 and (tmp_path / "b" / "float8.log").exists(), proc.stdout + proc.stderr
+    # Under a minute left: no benchmark is started.
+    proc = _gpu_check(tmp_path, str(tmp_path / "c"), "30", "8b8-eager-sac", TESTS="none")
+    assert proc.returncode == 0 and "no time left for the benchmark" in proc.stdout
+    assert not (tmp_path / "c" / "bench.json").exists()
