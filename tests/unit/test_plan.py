@@ -257,6 +257,14 @@ def test_memory_categories_are_zero_where_they_do_not_apply():
     assert first.memory["pp_buffers"] > 0 and first.memory["fsdp_unsharded"] == 0
 
 
+def test_fsdp_on_one_rank_is_planned_after_a_plan_without_it():
+    # The build cache once ignored training.mixed_precision_impl: the FSDP plan reused the autocast build.
+    bf16 = ["parallelism.dp_shard=1", "training.mixed_precision_param=bfloat16"]
+    (autocast,) = make_plan(DEBUG, 1, overrides=bf16).stages
+    (fsdp,) = make_plan(DEBUG, 1, overrides=[*bf16, "training.mixed_precision_impl=fsdp"]).stages
+    assert autocast.memory["fsdp_unsharded"] == 0 < fsdp.memory["fsdp_unsharded"]
+
+
 def test_chunked_loss_is_planned_without_whole_logits():
     """Whole logits cost 12 bytes per token and vocabulary entry (fp32 log-probs, their
     gradient, the logits' gradient), so they grow with the sequence; the chunked loss

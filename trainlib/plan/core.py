@@ -104,7 +104,7 @@ def build_on_fake_world(cfg, world_size: int) -> Build:
     parameters, so a cached build serves any AC mode."""
     t = cfg.training
     key = (world_size, repr(cfg.model), t.seq_len, t.mixed_precision_param, t.mixed_precision_reduce,
-           repr(cfg.parallelism), repr(cfg.float8))
+           t.mixed_precision_impl, repr(cfg.parallelism), repr(cfg.float8))
     if key not in _BUILT:
         rank0, facts, pp_first_ranks = _build_rank(cfg, world_size, rank=0)
         ranks = [rank0] + [_build_rank(cfg, world_size, rank)[0] for rank in pp_first_ranks[1:]]
