@@ -26,7 +26,8 @@ class StagePlan:
     has_embedding: bool
     has_output: bool
     memory: dict[str, float] = field(default_factory=dict)  # bytes
-    total_bytes: float = 0.0
+    total_bytes: float = 0.0  # what is live at the peak: the categories not in not_live, overhead included
+    not_live: tuple[str, ...] = ()  # categories freed before the peak or created after it (rank_memory)
 
 
 @dataclass
@@ -242,12 +243,18 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
                   block_params=b.block_params,  # the loss's chunk as it would be resolved on the GPUs planned for
                   loss_chunk_tokens=loss_chunk_tokens(cfg, args.vocab_size, dims.tp, "cuda") if cfg.loss.chunked
                   else None)
+    # Gradients outlive a backward where a later micro-batch adds to them. Only
+    # foreach AdamW allocates a parameter-sized temporary; "auto" is fused on
+    # GPUs (trainlib.optim.resolve_implementation).
+    grads_held = grad_accum > 1 or b.n_microbatches > 1
+    foreach = cfg.optimizer.implementation == "foreach"
     stages = []
     for r in b.ranks:
-        mem = rank_memory(s, ac, r.pp_rank, r.stage_ids, r.layers, r.has_embedding, r.has_output, r.state,
-                          A["allocator_overhead"])
+        mem, not_live = rank_memory(s, ac, r.pp_rank, r.stage_ids, r.layers, r.has_embedding, r.has_output,
+                                    r.state, A["allocator_overhead"], grads_held=grads_held,
+                                    optimizer_temp=r.state["params"] if foreach else 0.0)
         stages.append(StagePlan(r.pp_rank, r.stage_ids, r.layers, r.has_embedding, r.has_output, mem,
-                                sum(mem.values())))
+                                sum(v for k, v in mem.items() if k not in not_live), not_live))
 
     intra = axis_intra_node(b.groups, A["gpus_per_node"])
     comm = comm_bytes(s, fsdp_degree=len(b.groups["fsdp"][0]), dp_replicate=dims.dp_replicate,

@@ -214,13 +214,38 @@ def pp_buffer_bytes(s: StepShape, stage_ids: list[int]) -> float:
     return sum(s.n_microbatches * act * ((sid != 0) + (sid != s.n_stages - 1)) for sid in stage_ids)
 
 
+# Categories live at the start of a backward but freed by its end, and those
+# only the optimizer step adds (rank_memory).
+BACKWARD_ONLY = ("activations", "recompute", "logits_loss")
+STEP_ONLY = ("optimizer_step",)
+
+
 def rank_memory(s: StepShape, ac, pp_rank: int, stage_ids: list[int], layers: list[int], has_emb: bool,
-                has_out: bool, state: dict[str, int], allocator_overhead: float) -> dict[str, float]:
-    """Bytes per category at the peak of one pipeline rank (the whole model without PP)."""
+                has_out: bool, state: dict[str, int], allocator_overhead: float, *, grads_held: bool,
+                optimizer_temp: float) -> tuple[dict[str, float], tuple[str, ...]]:
+    """(bytes per category, the categories not live at the peak) for one
+    pipeline rank (the whole model without PP).
+
+    Two moments compete for the peak. At the start of a backward the
+    activations, the recompute's working set and the loss's buffers are live;
+    the gradients are not, since each step sets them to None and a backward
+    creates a block's gradients as it frees that block's activations, except
+    where an earlier micro-batch left them (`grads_held`: gradient
+    accumulation, or PP's micro-batches). At the optimizer step every gradient
+    is live, plus the optimizer's temporaries (`optimizer_temp`: foreach AdamW
+    allocates one parameter-sized buffer; fused none), and the activations are
+    freed. The overhead is a share of what is live at the larger."""
     act, recompute = activation_bytes(s, ac, pp_rank, layers, has_emb, has_out)
     mem = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
            "fsdp_unsharded": fsdp_unsharded_bytes(s, len(layers), has_emb, has_out), "activations": act,
            "recompute": recompute, "logits_loss": logits_loss_bytes(s, has_out),
-           "pp_buffers": pp_buffer_bytes(s, stage_ids)}
-    mem["overhead"] = allocator_overhead * sum(mem.values())
-    return mem
+           "pp_buffers": pp_buffer_bytes(s, stage_ids), "optimizer_step": optimizer_temp}
+
+    def live(freed: tuple[str, ...]) -> float:
+        return sum(v for k, v in mem.items() if k not in freed)
+
+    backward_start = STEP_ONLY + (() if grads_held else ("grads",))  # what is not live at each moment
+    peak = max((backward_start, BACKWARD_ONLY), key=live)  # the moment holding more
+    not_live = tuple(k for k in mem if k in peak)
+    mem["overhead"] = allocator_overhead * live(not_live)
+    return mem, not_live
