@@ -36,8 +36,8 @@ def format_plan(p: Plan) -> str:
         cells = [f"({s.memory[k] / div:.2f})" if k in s.not_live else f"{s.memory[k] / div:.2f} " for k in keys]
         lines.append(f"  {s.pp_rank:<8}{lay:>12}" + "".join(f"{c:>{w}}" for c in cells)
                      + f"{s.total_bytes / div:>{w}.2f}")
-    lines += ["  (x): not live at the rank's peak, the start of a backward (no gradient yet) or the optimizer step",
-              "  (activations freed); total: what is live there"]
+    lines += ["  (x): not live at the rank's peak, the start of a backward or the optimizer step (activations freed);",
+              "  total: what is live there"]
     lines += ["", "communication per rank per step"]
     for k, v in p.comm_bytes.items():
         lines.append(f"  {k:<26}{v / GiB:9.2f} GiB  {p.comm_seconds[k]:8.3f} s")
