@@ -137,9 +137,14 @@ def plan_row(args: list[str], gpu: str) -> dict:
     try:
         p = make_plan(recipe, 1, gpu, overrides)
     except ValueError as e:  # the job's own rejection; its run fails with the same message
-        return {"plan_step_s": None, "plan_tokens_per_second": None, "plan_peak_gib": None, "plan_error": str(e)}
+        return {"plan_step_s": None, "plan_tokens_per_second": None, "plan_peak_gib": None,
+                "plan_allocated_gib": None, "plan_error": str(e)}
+    worst = max(p.stages, key=lambda st: st.total_bytes)
+    # plan_peak_gib includes the planner's allocator overhead (reserved memory); the run's peak_memory_gib is
+    # torch's max_memory_allocated, which plan_allocated_gib predicts.
     return {"plan_step_s": p.step_seconds, "plan_tokens_per_second": p.tokens_per_second_per_gpu,
-            "plan_peak_gib": p.max_total_bytes / GiB, "plan_gpu": gpu}
+            "plan_peak_gib": p.max_total_bytes / GiB,
+            "plan_allocated_gib": (worst.total_bytes - worst.memory["overhead"]) / GiB, "plan_gpu": gpu}
 
 
 def detect_gpu(device: str) -> str:
@@ -168,11 +173,11 @@ def describe_device(device: str) -> str:
 
 def table(rows: list[dict]) -> str:
     head = (f"| {'config':<34} | {'tokens/s':>10} | {'TFLOPs':>7} | {'MFU (bf16 peak)':>15} | {'mem GiB':>7} | "
-            f"{'loss':>7} | {'step s':>7} | {'plan step s':>11} | {'plan GiB':>8} |")
+            f"{'loss':>7} | {'step s':>7} | {'plan step s':>11} | {'plan GiB':>8} | {'plan alloc GiB':>14} |")
     lines = [head, "|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|"]
     for r in rows:
-        plan = (f"{r['plan_step_s']:>11.3f} | {r['plan_peak_gib']:>8.1f} |" if r["plan_step_s"] is not None
-                else f"{'n/a':>11} | {'n/a':>8} |")
+        plan = (f"{r['plan_step_s']:>11.3f} | {r['plan_peak_gib']:>8.1f} | {r['plan_allocated_gib']:>14.2f} |"
+                if r["plan_step_s"] is not None else f"{'n/a':>11} | {'n/a':>8} | {'n/a':>14} |")
         if "error" in r:
             lines.append(f"| {r['config']:<34} | failed: {r['error']} | {plan}")
             continue

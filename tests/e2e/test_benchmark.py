@@ -41,6 +41,9 @@ def test_benchmark_presets_print_the_planner_beside_the_run(tmp_path):
     assert "no linear layer was converted" in refused["error"] and "no linear layer" in refused["plan_error"]
     assert row["tokens_per_second"] > 0 and row["peak_memory_gib"] > 0 and 4 < row["final_loss"] < 7
     assert row["plan_gpu"] == "h100" and 0 < row["plan_step_s"] < 1 and 0 < row["plan_peak_gib"] < 1
+    # Less the allocator's overhead: what the run's max_memory_allocated is compared with.
+    assert row["plan_allocated_gib"] == pytest.approx(row["plan_peak_gib"] / 1.1)
+    assert refused["plan_allocated_gib"] is None and "plan alloc GiB" in stdout
 
 
 def _gpu_check(tmp_path, *args, **env):
