@@ -3,11 +3,15 @@
 It cannot run here (no cluster); the launcher it calls, scripts/launch.sh, is
 run for real in tests/e2e/test_launchers.py."""
 
+import sys
+
+import pytest
 import yaml  # the dev extra
 
 from tests.helpers import REPO
 from trainlib.config import load_job_config
 from trainlib.config.cli import RecipeArgumentParser
+from trainlib.launch import train_command
 
 
 def test_k8s_job_is_consistent_and_its_command_is_a_valid_job():
@@ -35,3 +39,11 @@ def test_k8s_job_is_consistent_and_its_command_is_a_valid_job():
     mounts = {m["name"]: m["mountPath"] for m in container["volumeMounts"]}
     assert "persistentVolumeClaim" in next(v for v in pod["volumes"] if v["name"] == "checkpoints")
     assert cfg.job.dump_folder.startswith(mounts["checkpoints"] + "/")
+
+
+def test_train_command_is_a_plain_process_for_one_rank_and_torchrun_for_more():
+    assert train_command(1, ["--x=1"]) == [sys.executable, "-m", "trainlib.train", "--x=1"]
+    assert train_command(4) == [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=4",
+                                "-m", "trainlib.train"]
+    with pytest.raises(ValueError, match="nproc must be >= 1, got 0"):
+        train_command(0)

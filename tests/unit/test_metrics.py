@@ -375,3 +375,13 @@ def test_eta_is_the_remaining_steps_at_the_wall_clock_rate_since_the_first_log(t
     m.close()
     etas = [line.rsplit("| eta ", 1)[1] for line in capsys.readouterr().out.splitlines()]
     assert etas == ["1:40:00", "0:09:00", "0:00:00"]
+
+
+@pytest.mark.parametrize("device_name,key", [
+    ("NVIDIA H200", "h200"),  # as the H200 machine of 2026-11-26 named itself
+    ("NVIDIA H100 80GB HBM3", "h100"), ("NVIDIA H100 PCIe", "h100_pcie"),  # PCIe first: "H100" is in both names
+    ("NVIDIA A100-SXM4-80GB", "a100"), ("NVIDIA GeForce RTX 4090", None)])
+def test_gpu_of_device_names_the_datasheet_row_mfu_divides_by(device_name, key):
+    from trainlib.hardware import GPUS, gpu_of_device
+
+    assert gpu_of_device(device_name) is (GPUS[key] if key else None)
