@@ -210,6 +210,12 @@ def _most_held(actions) -> int:
     return most
 
 
+def test_a_schedule_the_planner_does_not_know_is_named():
+    # A schedule added to the job but not to the planner fails here, by name, not with an unbound local.
+    with pytest.raises(ValueError, match="no in-flight count for pipeline schedule 'Bogus'"):
+        microbatches_in_flight("Bogus", 2, 0, 4, 1)
+
+
 @pytest.mark.parametrize("schedule", list(pp_lib.SCHEDULES))
 def test_microbatches_in_flight_replay_torchs_schedules(schedule):
     """The activation sets a pipeline rank holds at its peak, as the planner
@@ -284,6 +290,17 @@ def test_one_gpu_peak_is_the_larger_of_backward_start_and_optimizer_step(name):
     (st,) = make_plan(None, 1, "h200", ["model.flavor=llama3.1_8b", "model.n_layers=8", *ONE_GPU, *overrides]).stages
     assert st.not_live == tuple(sorted(not_live, key=list(st.memory).index))
     assert (st.total_bytes - st.memory["overhead"]) / GiB == pytest.approx(measured, rel=0.07)
+
+
+def test_tied_embeddings_are_counted_once():
+    # Llama 3.2 1B shares its embedding with the output layer: one parameter, one gradient, one AdamW state.
+    from trainlib.plan.memory import state_bytes
+
+    model = Transformer(get_model_args("debug", tie_embeddings=True))
+    assert model.output.weight is model.tok_embeddings.weight
+    unique = sum(p.numel() * 4 for p in model.parameters())  # parameters() yields a shared one once
+    n = len(list(model.parameters()))
+    assert state_bytes([model]) == {"params": unique, "grads": unique, "optimizer": 2 * unique + 4 * n}
 
 
 def test_fsdp_on_one_rank_is_planned_after_a_plan_without_it():
