@@ -237,9 +237,9 @@ def test_a_prepare_interrupted_twice_keeps_every_shard_and_their_order(tmp_path,
 
 
 def test_an_interrupted_prepare_ends_in_a_process_that_handles_sigterm(tmp_path, raw):
-    """The pool's workers are forked, so they inherit the caller's signal handlers; a SIGTERM handler
-    (a training job's preemption handler, say) made them ignore the pool's terminate, and an interrupted
-    prepare() then waited for them forever."""
+    """When the pool's workers were forked from the caller they inherited its signal handlers; a SIGTERM
+    handler (a training job's preemption handler, say) made them ignore the pool's terminate, and an
+    interrupted prepare() then waited for them forever. They now come from a fork server."""
     import subprocess
     import sys
 

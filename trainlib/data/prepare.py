@@ -24,7 +24,6 @@ import hashlib
 import json
 import multiprocessing
 import os
-import signal
 import sys
 import time
 from collections import deque
@@ -78,9 +77,6 @@ _TOKENIZER: Any = None
 
 
 def _init_worker(cfg: TokenizerConfig) -> None:
-    # Forked: a SIGTERM handler of the caller's (a training job's preemption handler)
-    # would make the worker ignore the pool's terminate, and the pool wait forever.
-    signal.signal(signal.SIGTERM, signal.SIG_DFL)
     global _TOKENIZER
     _TOKENIZER = build_tokenizer(cfg)
 
@@ -218,7 +214,13 @@ def prepare(out: str, sources: list[str], *, hf_dataset: str | None = None, hf_s
         inputs = [_DocumentSource(DataConfig(path=f, **common), 0) for f in paths]
     out = os.path.expanduser(out)
     t0 = time.perf_counter()
-    with multiprocessing.get_context("fork").Pool(workers, _init_worker, (tok_cfg,)) as pool:
+    # Workers come from a fork server, a fresh interpreter, not forked from the caller: a caller's
+    # threads (gloo's, a metrics backend's) hold locks a forked child inherits held, and a caller's
+    # SIGTERM handler (a training job's preemption handler) would make a forked worker ignore the
+    # pool's terminate. With fork, an in-process prepare() hung once in a test process with such threads.
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload([__name__])  # the server imports this module once; workers fork from it
+    with ctx.Pool(workers, _init_worker, (tok_cfg,)) as pool:
         if paths:
             hashes = pool.map(file_sha256, paths)
             source_meta = [{"path": os.path.abspath(p), "size": os.path.getsize(p), "sha256": h}
