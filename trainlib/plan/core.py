@@ -8,7 +8,7 @@ FSDP, ...) is what the planner measures, with nothing re-implemented here.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.distributed as dist
@@ -102,10 +102,11 @@ def build_on_fake_world(cfg, world_size: int) -> Build:
     """Build the job's model parts for every pipeline rank, as the first global
     rank of each pipeline coordinate, on torch's fake process group (no
     communication happens). AC and compile wrap modules without adding
-    parameters, so a cached build serves any AC mode."""
-    t = cfg.training
-    key = (world_size, repr(cfg.model), t.seq_len, t.mixed_precision_param, t.mixed_precision_reduce,
-           t.mixed_precision_impl, repr(cfg.parallelism), repr(cfg.float8))
+    parameters, so a cached build serves any AC mode and either compile
+    setting. The key is every other section: a hand-picked list of the fields
+    the build reads once missed training.mixed_precision_impl."""
+    key = (world_size, *(repr(getattr(cfg, f.name)) for f in fields(cfg)
+                         if f.name not in ("activation_checkpoint", "compile")))
     if key not in _BUILT:
         rank0, facts, pp_first_ranks = _build_rank(cfg, world_size, rank=0)
         ranks = [rank0] + [_build_rank(cfg, world_size, rank)[0] for rank in pp_first_ranks[1:]]
