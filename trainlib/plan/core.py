@@ -8,6 +8,7 @@ FSDP, ...) is what the planner measures, with nothing re-implemented here.
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -78,6 +79,8 @@ class RankBuild:
     block_params: int
     root_params: int
     tp_replicated: int  # elements of its parameters TP replicates over tp (the norm weights); 0 without TP
+    # Converted float8 linears by their module's own name ("wq", ..., "output"): how many of each it holds.
+    float8_linears: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass
@@ -147,10 +150,18 @@ def _build_rank(cfg, world_size: int, rank: int) -> tuple[RankBuild, dict, list[
                                sum(_per_tp_rank(p) for p in blocks[0].parameters()) if blocks else 0,
                                sum(_per_tp_rank(p) for part in parts for name, p in part.named_parameters()
                                    if not name.startswith("layers.")),
-                               sum(p.numel() for part in parts for p in part.parameters() if _tp_replicated(p)))
+                               sum(p.numel() for part in parts for p in part.parameters() if _tp_replicated(p)),
+                               _float8_linears(parts) if cfg.float8.enable else {})
         return rank_build, facts, [int(r) for r in dims.mesh("pp").mesh.tolist()]
     finally:
         dist.destroy_process_group()
+
+
+def _float8_linears(parts) -> dict[str, int]:
+    from torchao.float8.float8_linear import Float8Linear
+
+    return dict(Counter(name.rsplit(".", 1)[-1] for part in parts for name, m in part.named_modules()
+                        if isinstance(m, Float8Linear)))
 
 
 def _tp_placement(p):
@@ -199,15 +210,52 @@ def _ac_label(ac) -> str:
 
 
 def step_time(useful_flops: float, recompute_flops: float, hw, assumptions: dict, bubble: float,
-              comm_s: dict[str, float]) -> tuple[float, float, float]:
+              comm_s: dict[str, float], float8_saved_flops: float = 0.0) -> tuple[float, float, float]:
     """(FLOPs per rank per step, compute seconds, step seconds) from the useful
     FLOPs per rank and those activation checkpointing reruns. FSDP, HSDP, PP
     and CP traffic overlaps compute (prefetch, async p2p); TP's collectives sit
-    between dependent matmuls and are exposed."""
+    between dependent matmuls and are exposed. `float8_saved_flops`: the time
+    float8 matmuls save, as bf16 FLOPs (float8_saved_flops_per_token)."""
     flops = useful_flops + recompute_flops
-    compute_s = flops / (hw.bf16_tflops * 1e12 * assumptions["achieved_fraction_of_peak"])
+    compute_s = (flops - float8_saved_flops) / (hw.bf16_tflops * 1e12 * assumptions["achieved_fraction_of_peak"])
     overlapped = sum(v for k, v in comm_s.items() if k != "tp")
     return flops, compute_s, max(compute_s * (1 + bubble), overlapped) + comm_s.get("tp", 0.0)
+
+
+def float8_saved_flops_per_token(block_ops: list[tuple[str, float, bool]], n_layers: int, head_flops: float,
+                                 converted: dict[str, int], speedup: float, ac) -> float:
+    """The bf16 FLOPs per token whose time float8 matmuls save: a converted
+    linear's forward, its two backward matmuls and an AC rerun of its forward
+    take 1/speedup of their bf16 time. `block_ops` is one block's
+    (name, forward FLOPs, is a matmul), a matmul named as its linear module;
+    `converted` counts the converted linears by that name over all blocks,
+    "output" being the projection outside them (`head_flops` forward FLOPs per
+    token). Casts, amax reductions and scale computations are not modelled
+    apart: `speedup` is measured on whole steps (docs/planner.md)."""
+    cut = 1 - 1 / speedup
+    if not cut or not converted:
+        return 0.0
+    scaled = [(n, f * (1 - cut * min(converted.get(n, 0), n_layers) / n_layers) if mm else f, mm)
+              for n, f, mm in block_ops]
+    forward = n_layers * sum(f - g for (_, f, _), (_, g, _) in zip(block_ops, scaled))
+    forward += head_flops * cut if converted.get("output") else 0.0
+    from trainlib.parallel.ac import recomputed_flops_per_token
+
+    return 3 * forward + (recomputed_flops_per_token(block_ops, n_layers, ac)
+                          - recomputed_flops_per_token(scaled, n_layers, ac))
+
+
+def float8_speedup(cfg, gpu: str, assumptions: dict) -> float:
+    """How much faster than bf16 a converted linear's matmuls run, on `gpu`."""
+    from trainlib.errors import ConfigError
+
+    if not cfg.enable or cfg.emulate:
+        return 1.0  # emulation computes in high precision: no faster
+    if not GPUS[gpu].float8:
+        raise ConfigError(f"float8.enable needs float8 matmuls (compute capability >= 8.9), which the "
+                          f"{GPUS[gpu].name} lacks: the job would refuse it; set float8.enable=false, or plan for "
+                          f"another --gpu")
+    return assumptions["float8_matmul_speedup"][cfg.recipe]
 
 
 def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides: list[str] | None = None,
@@ -264,9 +312,18 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
     tokens_step = t.global_batch_size * t.seq_len
     bubble = (dims.pp - 1) / (b.n_microbatches * b.stages_per_rank) if dims.pp_enabled else 0.0
     spec = get_model_spec(cfg.model.name)
-    useful = spec.flops_per_token(args, t.seq_len) * tokens_step / world_size
-    rerun = recomputed_flops_per_token(spec.block_forward_flops(args, t.seq_len), args.n_layers, ac)
-    flops, compute_s, step_s = step_time(useful, rerun * tokens_step / world_size, hw, A, bubble, comm_s)
+    per_token, block_ops = spec.flops_per_token(args, t.seq_len), spec.block_forward_flops(args, t.seq_len)
+    useful = per_token * tokens_step / world_size
+    rerun = recomputed_flops_per_token(block_ops, args.n_layers, ac)
+    converted = Counter()
+    for r in b.ranks:
+        converted.update(r.float8_linears)
+    speedup = float8_speedup(cfg.float8, gpu, A)
+    # Per token, what the blocks do not account for is the output projection (the embedding is a lookup).
+    head = per_token / 3 - args.n_layers * sum(f for _, f, _ in block_ops)
+    saved = float8_saved_flops_per_token(block_ops, args.n_layers, head, converted, speedup, ac)
+    flops, compute_s, step_s = step_time(useful, rerun * tokens_step / world_size, hw, A, bubble, comm_s,
+                                         saved * tokens_step / world_size)
 
     worst = max(stages, key=lambda st: st.total_bytes)
     fits = worst.total_bytes <= hw.memory_gib * GiB
@@ -276,7 +333,9 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
                         f"the {hw.memory_gib:.0f} GiB of one {hw.name}; try activation checkpointing, more "
                         f"FSDP/TP/PP or a smaller local batch (python -m trainlib.plan ... --suggest)")
     if cfg.float8.enable:
-        warnings.append("float8: parameters/optimizer are exact; activations and step time are modelled as bf16")
+        warnings.append(f"float8 {cfg.float8.recipe}: {sum(converted.values())} linears converted, their matmuls "
+                        f"modelled at {speedup:g}x bf16's speed" + (" (emulated)" if cfg.float8.emulate else "")
+                        + "; activations are modelled as bf16")
     degrees = dims.degrees()
     return Plan(
         recipe=recipe or "(defaults)", world_size=world_size, gpu=gpu, degrees=degrees, model=cfg.model.flavor,

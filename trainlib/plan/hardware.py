@@ -19,6 +19,10 @@ ASSUMPTIONS = {
     # Achieved fraction of the dense bf16 peak by the matmuls (MFU-like); typical
     # of FSDP/TP Llama training on H100 without float8.
     "achieved_fraction_of_peak": 0.40,
+    # How much faster than bf16 a float8 linear's matmuls run, casts and
+    # scaling included: fitted to whole steps, on one H200 (8 blocks of
+    # Llama 3.1 8B) and TorchTitan's 8B rows on H100s (docs/planner.md).
+    "float8_matmul_speedup": {"tensorwise": 1.4, "rowwise": 1.2, "rowwise_with_gw_hp": 1.1},
     # Ring collectives reach about this fraction of the link bandwidth.
     "link_efficiency": 0.8,
     # Reserved-but-unused memory of the caching allocator (fragmentation) and
