@@ -26,12 +26,9 @@ def state_bytes(model_parts: list[nn.Module]) -> dict[str, int]:
     weights); AdamW keeps exp_avg and exp_avg_sq like each parameter plus a
     4-byte fp32 `step` tensor per parameter."""
     params = grads = opt = 0
-    seen = set()
+    # parameters() yields a tied parameter once; parts never share one (tied embeddings are refused under PP).
     for part in model_parts:
         for p in part.parameters():
-            if id(p) in seen:
-                continue
-            seen.add(id(p))
             loc = _local(p)
             b = loc.numel() * loc.element_size()
             params += b
