@@ -84,6 +84,44 @@ def test_rollback_without_a_checkpoint_or_budget_stops():
         _judge(guard, [2.0, math.nan])
 
 
+class CheckpointAt:
+    def __init__(self, step):
+        self.step, self.excluded = step, None
+
+    def restore_latest(self, exclude):
+        self.excluded = exclude
+        return self.step
+
+
+def test_rollback_restores_the_latest_checkpoint_and_drops_the_rest_of_the_window(caplog):
+    # fused: steps 2 and 3 are judged before the host reads them at step 3's settle; 2's rollback undoes 3.
+    guard, *_ = _guard("fused", on_nonfinite="rollback", max_rollbacks=2)
+    for i, loss in enumerate([2.0, math.nan, math.inf], 1):
+        guard.check(i, torch.tensor(loss), torch.tensor(1.0))
+    log, ckpt = Log(), CheckpointAt(1)
+    with caplog.at_level("WARNING", logger="trainlib"):
+        records, to = guard.settle(3, True, log, ckpt)
+    assert to == 1 and ckpt.excluded == ("dataloader", "guard")  # the data goes on, the guard's count too
+    # Step 3's inf is not judged: the rollback undid it with the rest of the window.
+    assert records == log.records and len(records) == 1 and math.isnan(records[0].pop("loss"))
+    assert records[0] == {"step": 2, "grad_norm": 1.0, "lr": 0.1, "event": "nonfinite", "action": "rollback",
+                          "skips": 0, "rollbacks": 1, "rollback_to_step": 1}
+    assert "step 2: loss is nan: rolled back to the checkpoint of step 1; the data goes on after step 3's batch " \
+           "(1 of 2 rollbacks)" in caplog.text
+    guard.check(4, torch.tensor(math.nan), torch.tensor(1.0))
+    assert guard.settle(4, True, log, ckpt)[1] == 1 and guard.rollbacks == 2
+    with pytest.raises(TrainingStopped, match=r"^step 5: loss is nan \(training.max_rollbacks = 2 spent\)$"):
+        guard.check(5, torch.tensor(math.nan), torch.tensor(1.0))
+        guard.settle(5, True, log, ckpt)
+
+
+def test_a_skip_is_logged_with_its_budget(caplog):
+    guard, *_ = _guard(on_nonfinite="skip", max_skips=3)
+    with caplog.at_level("WARNING", logger="trainlib"):
+        _judge(guard, [2.0, math.nan])
+    assert "step 2: loss is nan: update skipped (1 of 3 skips)" in caplog.text
+
+
 def test_spike_rule_median_of_good_steps_after_warm_up():
     guard, *_ = _guard(on_spike="skip", spike_factor=2.0, spike_window=4)
     # Warm-up: 4 good steps before any spike is judged (10.0 at step 2 is not one).
@@ -145,8 +183,10 @@ def test_guard_state_round_trips_across_a_different_spike_window():
     _judge(guard, [1.5])
     assert sorted(same.window.tolist()) == sorted(guard.window.tolist()) == [1.0, 1.5, 2.0]
     bigger, *_ = _guard(on_spike="skip", spike_window=5)
+    _judge(bigger, [9.0] * 5)  # a used window: the load replaces all of it, not only the slots it fills
     bigger.load_state_dict(sd)
     assert int(bigger.n_good) == 3  # warms up again: 3 of 5 good losses known
+    assert bigger.window.tolist()[:3] == [3.0, 2.0, 1.0] and all(map(math.isnan, bigger.window.tolist()[3:]))
 
 
 @pytest.mark.parametrize("overrides,match", [
