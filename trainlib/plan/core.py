@@ -232,15 +232,14 @@ def float8_saved_flops_per_token(block_ops: list[tuple[str, float, bool]], n_lay
     "output" being the projection outside them (`head_flops` forward FLOPs per
     token). Casts, amax reductions and scale computations are not modelled
     apart: `speedup` is measured on whole steps (docs/planner.md)."""
+    from trainlib.parallel.ac import recomputed_flops_per_token
+
     cut = 1 - 1 / speedup
     if not cut or not converted:
         return 0.0
-    scaled = [(n, f * (1 - cut * min(converted.get(n, 0), n_layers) / n_layers) if mm else f, mm)
-              for n, f, mm in block_ops]
+    scaled = [(n, f * (1 - cut * converted.get(n, 0) / n_layers) if mm else f, mm) for n, f, mm in block_ops]
     forward = n_layers * sum(f - g for (_, f, _), (_, g, _) in zip(block_ops, scaled))
     forward += head_flops * cut if converted.get("output") else 0.0
-    from trainlib.parallel.ac import recomputed_flops_per_token
-
     return 3 * forward + (recomputed_flops_per_token(block_ops, n_layers, ac)
                           - recomputed_flops_per_token(scaled, n_layers, ac))
 
