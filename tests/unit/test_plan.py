@@ -14,6 +14,7 @@ from trainlib.models.llama3 import Transformer, get_model_args
 from trainlib.parallel.ac import apply_ac
 from trainlib.parallel import pp as pp_lib
 from trainlib.plan import (
+    ASSUMPTIONS,
     GiB,
     block_activation_bytes_per_token,
     main,
@@ -138,13 +139,14 @@ SLOW_PUBLISHED = {
 KNOWN_MISSES = {"t3_8b_fsdp128_compile_float8": "compile and float8 activation savings are not modelled"}
 
 # The same rows' published tokens/s per GPU. The planner's step time is
-# FLOPs at 40% of the dense bf16 peak, float8 linears' matmuls 1.4x faster,
+# FLOPs at 40% of the dense bf16 peak, float8 linears' matmuls faster by what
+# their size and the card's memory bandwidth leave of float8's speed-up,
 # FSDP/CP/PP traffic overlapped, TP's exposed (docs/planner.md, "Step time").
 # Where that is what ran (FSDP alone) it is within 15% of the published rate;
-# async TP and what a schedule hides of the bubble it models pessimistically
-# (published up to 1.26x faster; 1.64x before float8 was modelled). On no row
-# is it optimistic by more than 20%: a plan that fits should not promise a
-# speed the job will not reach.
+# async TP, TorchTitan's float8 TP (TP8_FLOAT8) and what a schedule hides of
+# the bubble it models pessimistically (published up to 1.44x faster). On no
+# row is it optimistic by more than 20%: a plan that fits should not promise
+# a speed the job will not reach.
 PUBLISHED_TPS = {
     "t1_8b_fsdp8": 5762, "t1_8b_fsdp8_compile": 6667, "t1_8b_fsdp8_compile_float8": 8532,
     "t4_70b_2d": 829, "t4_70b_2d_async_tp": 876, "t5_405b_1f1b": 100, "t5_405b_interleaved_1f1b": 128,
@@ -154,6 +156,11 @@ PUBLISHED_TPS = {
 }
 TPS_AS_RUN = {"t1_8b_fsdp8", "t1_8b_fsdp8_compile", "t1_8b_fsdp8_compile_float8", "t3_8b_fsdp128",
               "t3_8b_fsdp128_compile", "t3_8b_fsdp128_compile_float8"}
+# TorchTitan casts a TP linear's activations to float8 before TP's collectives (torchao's float8 TP styles),
+# so a tp rank casts its 1/tp share; trainlib's TP styles move bf16 (gloo cannot all-gather float8) and each
+# rank casts the whole gathered activation. At TP 8 that makes 70B's attention projections (8192 -> 1024 per
+# rank, size 1820) slower in float8 than in bf16 as planned, and these rows up to 1.45x pessimistic.
+TP8_FLOAT8 = {"t4_70b_2d", "t4_70b_2d_async_tp"}
 
 
 def _check_published(name, table):
@@ -161,7 +168,7 @@ def _check_published(name, table):
     # TorchTitan computes the loss from whole logits.
     plan = make_plan(str(RECIPES / recipe), world, "h100", overrides + ["loss.chunked=false"])
     speedup = PUBLISHED_TPS[name] / plan.tokens_per_second_per_gpu  # published over predicted
-    low, high = (0.85, 1.15) if name in TPS_AS_RUN else (0.8, 1.3)
+    low, high = (0.85, 1.15) if name in TPS_AS_RUN else (0.8, 1.45 if name in TP8_FLOAT8 else 1.3)
     assert low <= speedup <= high, \
         f"{name}: predicted {plan.tokens_per_second_per_gpu:.0f} tokens/s/GPU, published {PUBLISHED_TPS[name]}"
     got = plan.max_total_bytes / GiB
@@ -294,23 +301,31 @@ def test_one_gpu_peak_is_the_larger_of_backward_start_and_optimizer_step(name):
     assert (st.total_bytes - st.memory["overhead"]) / GiB == pytest.approx(measured, rel=0.07)
 
 
-# The same card's float8 rows over their bf16 row (step seconds, docs/performance.md): the ratio the planner
-# predicts does not depend on its 40% efficiency, only on what was converted and the float8 speed-ups, which
-# were fitted to these two rows (and TorchTitan's 8B float8 rows above). Llama 3.2 1B's smaller linears gain
-# less: 16 blocks in float8 tensorwise were 1.093x as fast as bf16 (0.177 / 0.162 s), planned 1.178x.
-H200_FLOAT8 = {
-    "8b8-compile-sac-f8tw": (["float8.enable=true"], 0.280 / 0.231),
-    "8b8-compile-sac-f8rw": (["float8.enable=true", "float8.recipe=rowwise"], 0.280 / 0.250),
+# float8 rows over their bf16 row (step seconds): the ratio the planner predicts does not depend on its 40%
+# efficiency, only on what was converted, the float8 matmul speed-up and the casts' bytes against the card's
+# memory bandwidth (float8_cuts). Fitted to the three H200 rows (docs/performance.md, "GPU benchmark"): the
+# 8B rows' linears (sizes 4096-6372) set the speed-ups, Llama 3.2 1B's smaller ones (2048-3277) the casts.
+L8B_SAC = ["model.flavor=llama3.1_8b", "model.n_layers=8", *SEL]
+L1B_NONE = ["model.flavor=llama3.2_1b", "model.n_layers=16", "activation_checkpoint.mode=none"]
+FLOAT8_STEPS = {  # name: (gpu, overrides of both, float8 overrides, measured ratio, tolerance)
+    "h200 8b8-compile-sac-f8tw": ("h200", L8B_SAC, ["float8.enable=true"], 0.280 / 0.231, 0.02),
+    "h200 8b8-compile-sac-f8rw": ("h200", L8B_SAC, ["float8.enable=true", "float8.recipe=rowwise"],
+                                  0.280 / 0.250, 0.02),
+    "h200 1b16-compile-none-f8tw": ("h200", L1B_NONE, ["float8.enable=true"], 0.177 / 0.162, 0.02),
+    # Not fitted: issue 11's H100 (3.35 TB/s against the H200's 4.8), trainlib 6b8986e, before the size filter
+    # (every block linear converted, the kv projections' 1638 too), fused AdamW, no float8 all-gather:
+    # 30,621 tok/s against 26,567 in bf16. Both steps also paid ~40 ms of FSDP on a one-rank mesh (not planned).
+    "h100 8b8-compile-sac-f8tw, 6b8986e": ("h100", L8B_SAC, ["float8.enable=true", "float8.min_size=0"],
+                                           30621 / 26567, 0.05),
 }
 
 
-@pytest.mark.parametrize("name", list(H200_FLOAT8))
+@pytest.mark.parametrize("name", list(FLOAT8_STEPS))
 def test_one_gpu_float8_speedup_over_bf16(name):
-    overrides, measured = H200_FLOAT8[name]
-    one_gpu = [None, 1, "h200"]
-    bf16 = make_plan(*one_gpu, ["model.flavor=llama3.1_8b", "model.n_layers=8", *ONE_GPU, *SEL])
-    f8 = make_plan(*one_gpu, ["model.flavor=llama3.1_8b", "model.n_layers=8", *ONE_GPU, *SEL, *overrides])
-    assert bf16.step_seconds / f8.step_seconds == pytest.approx(measured, rel=0.02)
+    gpu, both, f8, measured, tolerance = FLOAT8_STEPS[name]
+    bf16 = make_plan(None, 1, gpu, [*ONE_GPU, *both])
+    float8 = make_plan(None, 1, gpu, [*ONE_GPU, *both, *f8])
+    assert bf16.step_seconds / float8.step_seconds == pytest.approx(measured, rel=tolerance)
 
 
 def test_tied_embeddings_are_counted_once():
@@ -426,34 +441,41 @@ def test_unknown_gpu_and_float8_are_said():
     assert not any("float8" in w for w in make_plan(DEBUG, 1).warnings)
     eight_b = str(RECIPES / "llama3_8b.toml")
     plan = make_plan(eight_b, 8, overrides=["float8.enable=true"])
-    # tensorwise's size filter keeps the kv projections (1638 < 2048) and the recipe's filter the output.
-    assert "float8 tensorwise: 160 linears converted, their matmuls modelled at 1.4x" in plan.warnings[-1]
+    # tensorwise's size filter keeps the kv projections (1638 < 2048) and the recipe's filter the output; the
+    # attention projections (size 4096) gain least, the SwiGLU's (6372) most.
+    assert ("float8 tensorwise: 160 linears converted, their matmuls modelled at 1.17x-1.31x bf16's speed, casts "
+            "included") in plan.warnings[-1]
     with pytest.raises(ConfigError, match="float8.enable needs float8 matmuls .* A100 SXM 80GB lacks"):
         make_plan(eight_b, 8, "a100", overrides=["float8.enable=true"])
 
 
 def test_float8_step_time_counts_what_was_converted():
     # The time saved is the converted linears' share of the FLOPs, and no more: emulation saves nothing, and
-    # converting the output projection too (filter_fqns=[]) saves its share.
+    # converting the output projection too (filter_fqns=[]) saves its share. Casts cost nothing here, so that
+    # every converted matmul runs at the recipe's speed-up (their cost: the test below).
     eight_b = str(RECIPES / "llama3_8b.toml")
     f8 = ["float8.enable=true", *SEL]  # every_other_mm reruns matmuls only: attention's FLOPs are the useful ones
+    no_casts = {"float8_cast_bytes": dict.fromkeys(ASSUMPTIONS["float8_cast_bytes"], 0.0)}
+    speedup = ASSUMPTIONS["float8_matmul_speedup"]["tensorwise"]
     bf16 = make_plan(eight_b, 8, overrides=SEL)
     assert make_plan(eight_b, 8, overrides=[*f8, "float8.emulate=true"]).compute_seconds == bf16.compute_seconds
-    tw = make_plan(eight_b, 8, overrides=f8)
+    tw = make_plan(eight_b, 8, overrides=f8, assumptions=no_casts)
     everything = make_plan(eight_b, 8, overrides=[*f8, "float8.filter_fqns=[]", "float8.min_size=0",
-                                                           "loss.chunked=false"])
+                                                  "loss.chunked=false"], assumptions=no_casts)
     assert tw.flops_per_step_per_rank == everything.flops_per_step_per_rank == bf16.flops_per_step_per_rank
     assert everything.compute_seconds < tw.compute_seconds < bf16.compute_seconds
-    # Every linear converted: every matmul FLOP at 1.4x, attention's products (no linear's) at 1x.
+    # Every linear converted: every matmul FLOP at the speed-up, attention's products (no linear's) at 1x.
     args = get_model_args("llama3.1_8b")
     tokens = bf16.local_batch_size * bf16.grad_accum * bf16.seq_len
     attention = 3 * args.n_layers * 4 * args.n_heads * args.head_dim * bf16.seq_len * tokens
     matmul_share = 1 - attention / bf16.flops_per_step_per_rank
-    assert everything.compute_seconds / bf16.compute_seconds == pytest.approx(1 - matmul_share * (1 - 1 / 1.4), rel=1e-9)
+    assert everything.compute_seconds / bf16.compute_seconds == pytest.approx(
+        1 - matmul_share * (1 - 1 / speedup), rel=1e-9)
     # Saved time is per converted linear: the attention projections' and the SwiGLU's add up to both's,
     # in proportion to their FLOPs, and a block left out takes its share away.
     def saved(filters):
-        plan = make_plan(eight_b, 8, overrides=[*f8, "float8.min_size=0", f"float8.filter_fqns={filters}"])
+        plan = make_plan(eight_b, 8, overrides=[*f8, "float8.min_size=0", f"float8.filter_fqns={filters}"],
+                         assumptions=no_casts)
         return bf16.compute_seconds - plan.compute_seconds
 
     attn, ffn, both = saved(["output", "*.feed_forward.*"]), saved(["output", "*.attention.*"]), saved(["output"])
@@ -463,6 +485,31 @@ def test_float8_step_time_counts_what_was_converted():
     d, kv, f = args.dim, args.n_kv_heads * args.head_dim, args.ffn_dim
     assert attn / both == pytest.approx(7 * (d * d + d * kv) / (7 * (d * d + d * kv) + 10 * d * f), rel=1e-9)
     assert saved(["output", "layers.0.*"]) / both == pytest.approx((args.n_layers - 1) / args.n_layers, rel=1e-9)
+
+
+def test_float8_casts_weigh_most_on_small_linears_and_slow_memory():
+    from trainlib.config import load_job_config
+    from trainlib.float8 import linear_size
+    from trainlib.plan.core import build_on_fake_world, float8_cuts
+
+    cfg = load_job_config(None, ["--float8.enable=true"]).float8
+    speedup, cast_bytes = ASSUMPTIONS["float8_matmul_speedup"]["tensorwise"], ASSUMPTIONS["float8_cast_bytes"]["tensorwise"]
+    # Per token a linear multiplies 6 * in * out FLOPs and its casts move cast_bytes * (in + out): at the achieved
+    # bf16 rate (40% of 989 TFLOP/s) against memory bandwidth, they take cast_bytes * FLOP/byte / (3 * size) of
+    # its bf16 time. Break-even, where float8 saves nothing, at size = that share's numerator / (1 - 1 / speedup).
+    for gpu, tbps in (("h100", 3.35), ("h200", 4.8)):
+        even = cast_bytes * 989.4 * 0.4 / tbps / 3 / (1 - 1 / speedup)
+        cuts = float8_cuts(cfg, gpu, {"below": 0.9 * even, "at": even, "above": 4 * even}, ASSUMPTIONS)
+        assert cuts["below"] < 0 < cuts["above"] and cuts["at"] == pytest.approx(0, abs=1e-12)
+        assert cuts["above"] == pytest.approx(0.75 * (1 - 1 / speedup))
+    h100, h200 = (float8_cuts(cfg, gpu, {"wq": 4096.0}, ASSUMPTIONS)["wq"] for gpu in ("h100", "h200"))
+    assert 0 < h100 < h200  # the H200 has the H100's compute and 1.43x its memory bandwidth
+    # Under TP a rank casts and multiplies its shard of a linear (trainlib's TP styles move bf16 activations, so
+    # the gathered input is cast whole): wq's out features and wo's in features are split by tp.
+    job = load_job_config(str(RECIPES / "llama3_8b.toml"), ["--float8.enable=true", "--parallelism.tp=8"])
+    sizes = build_on_fake_world(job, 64).ranks[0].float8_sizes
+    assert sizes["wq"] == sizes["wo"] == linear_size(4096, 4096 // 8)
+    assert sizes["w1"] == sizes["w2"] == linear_size(4096, 14336 // 8)
 
 
 def test_gpu_memory_sets_the_warning():

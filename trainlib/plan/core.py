@@ -79,8 +79,10 @@ class RankBuild:
     block_params: int
     root_params: int
     tp_replicated: int  # elements of its parameters TP replicates over tp (the norm weights); 0 without TP
-    # Converted float8 linears by their module's own name ("wq", ..., "output"): how many of each it holds.
+    # Converted float8 linears by their module's own name ("wq", ..., "output"): how many of each it holds,
+    # and the size (trainlib.float8.linear_size) of the matmul one tp rank runs for it.
     float8_linears: dict[str, int] = field(default_factory=dict)
+    float8_sizes: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -151,17 +153,32 @@ def _build_rank(cfg, world_size: int, rank: int) -> tuple[RankBuild, dict, list[
                                sum(_per_tp_rank(p) for part in parts for name, p in part.named_parameters()
                                    if not name.startswith("layers.")),
                                sum(p.numel() for part in parts for p in part.parameters() if _tp_replicated(p)),
-                               _float8_linears(parts) if cfg.float8.enable else {})
+                               *(_float8_linears(parts) if cfg.float8.enable else ({}, {})))
         return rank_build, facts, [int(r) for r in dims.mesh("pp").mesh.tolist()]
     finally:
         dist.destroy_process_group()
 
 
-def _float8_linears(parts) -> dict[str, int]:
+def _float8_linears(parts) -> tuple[dict[str, int], dict[str, float]]:
+    """RankBuild's float8_linears and float8_sizes. TP shards a linear's out
+    (colwise) or in (rowwise) features: a tp rank casts and multiplies that share."""
     from torchao.float8.float8_linear import Float8Linear
 
-    return dict(Counter(name.rsplit(".", 1)[-1] for part in parts for name, m in part.named_modules()
-                        if isinstance(m, Float8Linear)))
+    from trainlib.float8 import linear_size
+
+    counts, sizes = Counter(), {}
+    for part in parts:
+        for name, m in part.named_modules():
+            if isinstance(m, Float8Linear):
+                short = name.rsplit(".", 1)[-1]
+                counts[short] += 1
+                features = [m.out_features, m.in_features]  # the weight's dims
+                placement = _tp_placement(m.weight)
+                if placement is not None and placement.is_shard():
+                    features[placement.dim] //= m.weight.device_mesh.size(
+                        m.weight.device_mesh.mesh_dim_names.index("tp"))
+                sizes[short] = linear_size(features[1], features[0])
+    return dict(counts), sizes
 
 
 def _tp_placement(p):
@@ -223,38 +240,50 @@ def step_time(useful_flops: float, recompute_flops: float, hw, assumptions: dict
 
 
 def float8_saved_flops_per_token(block_ops: list[tuple[str, float, bool]], n_layers: int, head_flops: float,
-                                 converted: dict[str, int], speedup: float, ac) -> float:
-    """The bf16 FLOPs per token whose time float8 matmuls save: a converted
+                                 converted: dict[str, int], cuts: dict[str, float], ac) -> float:
+    """The bf16 FLOPs per token whose time float8 linears save: a converted
     linear's forward, its two backward matmuls and an AC rerun of its forward
-    take 1/speedup of their bf16 time. `block_ops` is one block's
-    (name, forward FLOPs, is a matmul), a matmul named as its linear module;
-    `converted` counts the converted linears by that name over all blocks,
-    "output" being the projection outside them (`head_flops` forward FLOPs per
-    token). Casts, amax reductions and scale computations are not modelled
-    apart: `speedup` is measured on whole steps (docs/planner.md)."""
+    take (1 - cut) of their bf16 time, `cuts[name]` (float8_cuts; negative
+    where the casts cost more than the matmul saves). `block_ops` is one
+    block's (name, forward FLOPs, is a matmul), a matmul named as its linear
+    module; `converted` counts the converted linears by that name over all
+    blocks, "output" being the projection outside them (`head_flops` forward
+    FLOPs per token)."""
     from trainlib.parallel.ac import recomputed_flops_per_token
 
-    cut = 1 - 1 / speedup
-    if not cut or not converted:
+    if not converted:
         return 0.0
-    scaled = [(n, f * (1 - cut * converted.get(n, 0) / n_layers) if mm else f, mm) for n, f, mm in block_ops]
+    scaled = [(n, f * (1 - cuts.get(n, 0.0) * converted.get(n, 0) / n_layers) if mm else f, mm)
+              for n, f, mm in block_ops]
     forward = n_layers * sum(f - g for (_, f, _), (_, g, _) in zip(block_ops, scaled))
-    forward += head_flops * cut if converted.get("output") else 0.0
+    forward += head_flops * cuts["output"] if converted.get("output") else 0.0
     return 3 * forward + (recomputed_flops_per_token(block_ops, n_layers, ac)
                           - recomputed_flops_per_token(scaled, n_layers, ac))
 
 
-def float8_speedup(cfg, gpu: str, assumptions: dict) -> float:
-    """How much faster than bf16 a converted linear's matmuls run, on `gpu`."""
+def float8_cuts(cfg, gpu: str, sizes: dict[str, float], assumptions: dict) -> dict[str, float]:
+    """Per converted linear (by name, of `size` per tp rank): the fraction of
+    its bf16 matmul time float8 saves on `gpu`. Its matmuls run
+    `float8_matmul_speedup` times faster; its casts (amax, scale, cast, and the
+    transposed copies backward needs) move `float8_cast_bytes` bytes per token
+    per in and out feature at the GPU's memory bandwidth. Per token the
+    matmuls take 6 * in * out FLOPs and the casts grow as in + out, so the
+    casts' share of the bf16 time is bytes * FLOP/s / (3 * size * bytes/s),
+    the FLOP/s being the planner's achieved bf16 rate: small linears gain
+    little or lose."""
     from trainlib.errors import ConfigError
 
     if not cfg.enable or cfg.emulate:
-        return 1.0  # emulation computes in high precision: no faster
-    if not GPUS[gpu].float8:
+        return {}  # emulation computes in high precision: no faster
+    hw = GPUS[gpu]
+    if not hw.float8:
         raise ConfigError(f"float8.enable needs float8 matmuls (compute capability >= 8.9), which the "
-                          f"{GPUS[gpu].name} lacks: the job would refuse it; set float8.enable=false, or plan for "
+                          f"{hw.name} lacks: the job would refuse it; set float8.enable=false, or plan for "
                           f"another --gpu")
-    return assumptions["float8_matmul_speedup"][cfg.recipe]
+    speedup = assumptions["float8_matmul_speedup"][cfg.recipe]
+    flops_per_byte = hw.bf16_tflops * assumptions["achieved_fraction_of_peak"] / hw.memory_tbps
+    cast = assumptions["float8_cast_bytes"][cfg.recipe] * flops_per_byte / 3
+    return {name: 1 - 1 / speedup - cast / size for name, size in sizes.items()}
 
 
 def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides: list[str] | None = None,
@@ -314,13 +343,14 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
     per_token, block_ops = spec.flops_per_token(args, t.seq_len), spec.block_forward_flops(args, t.seq_len)
     useful = per_token * tokens_step / world_size
     rerun = recomputed_flops_per_token(block_ops, args.n_layers, ac)
-    converted = Counter()
+    converted, sizes = Counter(), {}
     for r in b.ranks:
         converted.update(r.float8_linears)
-    speedup = float8_speedup(cfg.float8, gpu, A)
+        sizes.update(r.float8_sizes)
+    cuts = float8_cuts(cfg.float8, gpu, sizes, A)
     # Per token, what the blocks do not account for is the output projection (the embedding is a lookup).
     head = per_token / 3 - args.n_layers * sum(f for _, f, _ in block_ops)
-    saved = float8_saved_flops_per_token(block_ops, args.n_layers, head, converted, speedup, ac)
+    saved = float8_saved_flops_per_token(block_ops, args.n_layers, head, converted, cuts, ac)
     flops, compute_s, step_s = step_time(useful, rerun * tokens_step / world_size, hw, A, bubble, comm_s,
                                          saved * tokens_step / world_size)
 
@@ -332,9 +362,12 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
                         f"the {hw.memory_gib:.0f} GiB of one {hw.name}; try activation checkpointing, more "
                         f"FSDP/TP/PP or a smaller local batch (python -m trainlib.plan ... --suggest)")
     if cfg.float8.enable:
+        speed = "bf16's speed (emulated)"
+        if cuts:
+            low, high = (f"{1 / (1 - c):.2f}x" for c in (min(cuts.values()), max(cuts.values())))
+            speed = f"{low if low == high else f'{low}-{high}'} bf16's speed, casts included"
         warnings.append(f"float8 {cfg.float8.recipe}: {sum(converted.values())} linears converted, their matmuls "
-                        f"modelled at {speedup:g}x bf16's speed" + (" (emulated)" if cfg.float8.emulate else "")
-                        + "; activations are modelled as bf16")
+                        f"modelled at {speed}; activations are modelled as bf16")
     degrees = dims.degrees()
     return Plan(
         recipe=recipe or "(defaults)", world_size=world_size, gpu=gpu, degrees=degrees, model=cfg.model.flavor,

@@ -19,10 +19,11 @@ ASSUMPTIONS = {
     # Achieved fraction of the dense bf16 peak by the matmuls (MFU-like); typical
     # of FSDP/TP Llama training on H100 without float8.
     "achieved_fraction_of_peak": 0.40,
-    # How much faster than bf16 a float8 linear's matmuls run, casts and
-    # scaling included: fitted to whole steps, on one H200 (8 blocks of
-    # Llama 3.1 8B) and TorchTitan's 8B rows on H100s (docs/planner.md).
-    "float8_matmul_speedup": {"tensorwise": 1.4, "rowwise": 1.2, "rowwise_with_gw_hp": 1.1},
+    # A float8 linear (trainlib.plan.core.float8_cuts): how much faster than
+    # bf16 its matmuls run, and the bytes its casts move per token per in and
+    # out feature. Fitted to whole steps on one H200 (docs/planner.md).
+    "float8_matmul_speedup": {"tensorwise": 1.7, "rowwise": 1.45, "rowwise_with_gw_hp": 1.25},
+    "float8_cast_bytes": {"tensorwise": 28.0, "rowwise": 28.0, "rowwise_with_gw_hp": 28.0},
     # Ring collectives reach about this fraction of the link bandwidth.
     "link_efficiency": 0.8,
     # Reserved-but-unused memory of the caching allocator (fragmentation) and
