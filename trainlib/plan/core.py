@@ -251,12 +251,12 @@ def float8_saved_flops_per_token(block_ops: list[tuple[str, float, bool]], n_lay
     FLOPs per token)."""
     from trainlib.parallel.ac import recomputed_flops_per_token
 
-    if not converted:
+    if not cuts:
         return 0.0
     scaled = [(n, f * (1 - cuts.get(n, 0.0) * converted.get(n, 0) / n_layers) if mm else f, mm)
               for n, f, mm in block_ops]
     forward = n_layers * sum(f - g for (_, f, _), (_, g, _) in zip(block_ops, scaled))
-    forward += head_flops * cuts["output"] if converted.get("output") else 0.0
+    forward += head_flops * cuts["output"] if "output" in cuts else 0.0
     return 3 * forward + (recomputed_flops_per_token(block_ops, n_layers, ac)
                           - recomputed_flops_per_token(scaled, n_layers, ac))
 
