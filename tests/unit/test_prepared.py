@@ -552,6 +552,15 @@ def test_prepared_folder_paths_expand_home_and_files_are_closed(tmp_path, raw, m
     read_every_shard(ds)
     assert open_fds() == before + 2 * 2  # two shards open (tokens, documents), however many were read
     ds.close()
+    # The least recently read shard is the one closed: a shard read again stays open, one not read goes.
+    opened = []
+    real_open = os.open
+    monkeypatch.setattr(prepared.os, "open", lambda path, *a: opened.append(path) or real_open(path, *a))
+    ds = prepared.PreparedDataset(str(tmp_path / "out"), BYTE, 8)
+    for s in (0, 1, 0, 2, 0):
+        ds.read(ds.shard_starts[s], np.empty(1, ds.dtype), np.zeros(1, bool))
+    assert len(opened) == 2 * 3  # shards 0, 1 and 2 opened once each: 0 was read last when 2 came
+    ds.close()
 
 
 def test_prepared_loader_arguments_are_checked(tmp_path, raw):
