@@ -353,7 +353,7 @@ class PreparedDataLoader:
             i, c = self.mixture.locate(first + j)
             self.datasets[i].read(self._window_start(i, c), tokens[j], doc_start[j])
         # position within the document, restarting at each document start and at the window start
-        doc_start[:, 0] = True
+        # (np.where's 0 there: a window's first token counts from 0 whether or not a document starts at it)
         ar = np.arange(L)
         positions = ar - np.maximum.accumulate(np.where(doc_start[:, :L], ar, 0), axis=1)
         batch = {"input": tokens[:, :-1], "labels": tokens[:, 1:], "position_ids": positions}
