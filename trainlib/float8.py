@@ -20,8 +20,9 @@ Tensor parallelism: torchao's Float8ColwiseParallel/Float8RowwiseParallel
 all-gather float8 tensors, which gloo cannot do ("Invalid scalar type"), so
 trainlib keeps the plain TP styles around Float8Linear: the matmuls run in
 float8, the TP collectives move high-precision activations. That is correct on
-every backend; float8 TP collectives (less traffic on NCCL) are a possible
-later optimisation, not a correctness matter.
+every backend; float8 TP collectives (less traffic on NCCL, and each rank casts
+its 1/tp share before the all-gather instead of the whole gathered activation)
+are a possible later optimisation, not a correctness matter.
 
 torchao is imported lazily: it prints loader noise at import and is needed
 only when float8 is on.
