@@ -70,6 +70,43 @@ def test_each_registered_part_is_restored(tmp_path, caplog):
     assert not torch.equal(model3.output.weight, saved["output.weight"])
 
 
+def test_model_and_optimizer_parts_take_back_a_dict_that_is_not_their_own(tmp_path):
+    # DCP loads in place into the tensors state_dict() handed out, so a checkpoint round trip passes even
+    # where load_state_dict ignores its argument; a dict of other tensors must land too, by canonical name.
+    from trainlib.errors import ConfigError
+
+    model, opt, sched, _ = _job(tmp_path)
+    _train_step(model, opt, sched)
+    model_state, opt_state = ModelState([model]), OptimizerState([model], opt)
+    weights = {k: torch.randn_like(v) for k, v in model_state.state_dict().items()}
+    model_state.load_state_dict(weights)
+    assert all(torch.equal(weights[k], v) for k, v in model_state.state_dict().items())
+    sd = opt_state.state_dict()
+    other = {"state": {k: v + 1 for k, v in sd["state"].items()},
+             "param_groups": [{**g, "lr": 0.5, "betas": (0.5, 0.6)} for g in sd["param_groups"]]}
+    opt_state.load_state_dict(other)
+    assert all(torch.equal(other["state"][k], v) for k, v in opt_state.state_dict()["state"].items())
+    assert all(g["lr"] == 0.5 and g["betas"] == (0.5, 0.6) for g in opt.param_groups)
+    groups = len(opt.param_groups)
+    with pytest.raises(ConfigError, match=f"checkpoint has {groups + 1} optimizer param groups, this optimizer has "
+                                          f"{groups}: resume with the same optimizer settings"):
+        opt_state.load_state_dict({**other, "param_groups": other["param_groups"] + other["param_groups"][:1]})
+
+
+def test_a_fresh_optimizer_gets_state_to_load_into_without_moving_a_weight(tmp_path):
+    # Loading into a fresh optimizer first creates its state by a step with zero gradients: at lr 0, so that
+    # weight decay (0.1 here) moves nothing, and with the learning rates and gradients left as they were.
+    model, opt, _, _ = _job(tmp_path)
+    weights = {k: v.clone() for k, v in model.state_dict().items()}
+    lrs = [g["lr"] for g in opt.param_groups]
+    assert not opt.state and any(g["weight_decay"] > 0 and g["lr"] > 0 for g in opt.param_groups)
+    state = OptimizerState([model], opt).state_dict()["state"]
+    assert {k.rsplit(".", 1)[1] for k in state} == {"step", "exp_avg", "exp_avg_sq"}
+    assert all(torch.equal(weights[k], v) for k, v in model.state_dict().items())
+    assert [g["lr"] for g in opt.param_groups] == lrs
+    assert all(p.grad is None for p in model.parameters())
+
+
 @pytest.mark.parametrize("model_only", [True, False])
 def test_initial_load_takes_the_model_only_unless_told_otherwise(tmp_path, caplog, model_only):
     model, opt, sched, ck = _job(tmp_path / "a", folder="ckpts")
