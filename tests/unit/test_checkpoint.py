@@ -107,6 +107,19 @@ def test_a_fresh_optimizer_gets_state_to_load_into_without_moving_a_weight(tmp_p
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_train_state_saves_and_restores_the_cuda_generator_where_there_is_one(monkeypatch):
+    # Without a GPU here, torch.cuda's generator calls are stood in for: what a CUDA run saves and restores.
+    cuda_rng = [torch.tensor([1, 2, 3], dtype=torch.uint8)]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_rng_state", lambda: cuda_rng[0].clone())
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state: cuda_rng.__setitem__(0, state))
+    sd = TrainState(step=4, tokens_seen=40).state_dict()
+    assert torch.equal(sd["rng"]["cuda"], torch.tensor([1, 2, 3], dtype=torch.uint8))
+    cuda_rng[0] = torch.tensor([9], dtype=torch.uint8)
+    TrainState().load_state_dict(sd)
+    assert torch.equal(cuda_rng[0], torch.tensor([1, 2, 3], dtype=torch.uint8))
+
+
 @pytest.mark.parametrize("model_only", [True, False])
 def test_initial_load_takes_the_model_only_unless_told_otherwise(tmp_path, caplog, model_only):
     model, opt, sched, ck = _job(tmp_path / "a", folder="ckpts")
