@@ -317,6 +317,23 @@ def test_resume_identical(docs_file, shuffle):
                 assert torch.equal(want[k], have[k]), (cut, k)
 
 
+def test_resume_at_a_document_boundary(tmp_path):
+    # Three documents of 14 bytes are 16 tokens each with BOS and EOS: the 4th window of 16 starts at the 4th
+    # document's first token, a state with token_offset 0. Later documents have other lengths. The loader
+    # has read ahead before it loads the state.
+    docs = [f"document {i:04d}." for i in range(3)] + ["x" * (5 + 7 * i % 23) for i in range(20)]
+    cfg = DataConfig(path=write_jsonl(tmp_path / "docs.jsonl", docs))
+    ref = take(build_dataloader(cfg, BYTE, 16, 1), 10)
+    dl = build_dataloader(cfg, BYTE, 16, 1)
+    take(dl, 3)
+    sd = dl.state_dict()
+    assert sd["token_offset"] == 0 and sd["doc_index"] == 3
+    resumed = build_dataloader(cfg, BYTE, 16, 1)
+    resumed.load_state_dict(sd)
+    for want, have in zip(ref[3:], take(resumed, 7), strict=True):
+        assert all(torch.equal(want[k], have[k]) for k in want)
+
+
 def test_resume_with_different_dp_world(docs_file):
     cfg = DataConfig(path=docs_file, shuffle_documents=True)
     L = 8
