@@ -257,6 +257,8 @@ def test_dp_sharding_same_global_batches(docs_file):
         states = [dl.state_dict() for dl in loaders]
         assert all(st == states[0] for st in states)  # same state on every rank
         assert states[0]["samples_consumed"] == steps * B
+        # every rank counts the global batch's input tokens, under the data's name
+        assert all(dl.tokens_seen_per_dataset() == {docs_file: steps * B * L} for dl in loaders)
 
 
 def test_dp_rank_validation(docs_file):
@@ -531,6 +533,7 @@ def test_shipped_corpus():
     assert batch["input"][0, 0].item() == BYTE.bos_id
     assert BYTE.decode(batch["input"][0, 1:].tolist()).startswith(docs[0][:100])
     assert isinstance(dl, PackedDataLoader)
+    assert dl.tokens_seen_per_dataset() == {DEFAULT_CORPUS_PATH: 4 * 128}
 
 
 def test_shipped_corpus_holds_out_validation_chapters():
