@@ -57,8 +57,10 @@ def test_each_registered_part_is_restored(tmp_path, caplog):
 
     model2, opt2, sched2, ck2 = _job(tmp_path)
     torch.manual_seed(123)
+    caplog.set_level("INFO", logger="trainlib")
     assert ck2.load() == 3
     assert ck2.train_state.tokens_seen == 300
+    assert f"resumed from {step_folder(ck2.root, 3)} (step 3, 300 tokens seen) in " in caplog.text
     assert all(torch.equal(saved[k], v) for k, v in model2.state_dict().items())
     assert all(torch.equal(exp_avg[k], s["exp_avg"]) for k, s in enumerate(opt2.state.values()))
     assert sched2.last_epoch == 3 and sched2.get_last_lr() == sched.get_last_lr()
@@ -213,6 +215,19 @@ def test_retention_never_deletes_the_checkpoint_just_committed(tmp_path):
     assert ck.load() == 2
     ck.maybe_save(3, last_step=3)  # back in time: step 3 is older than step 4
     assert complete_steps(ck.root) == [3, 4]
+
+
+def test_a_load_step_without_a_checkpoint_is_one_clear_line(tmp_path):
+    from trainlib.errors import ConfigError
+
+    with pytest.raises(ConfigError, match=r"^checkpoint.load_step=5 has no complete checkpoint in \S+ \(complete "
+                                          r"steps: none\); pick one of those or -1 for the latest$"):
+        _job(tmp_path, load_step=5)[3].load()
+    model, opt, sched, ck = _job(tmp_path, interval=2)
+    for step in (2, 4):
+        ck.maybe_save(step, last_step=4)
+    with pytest.raises(ConfigError, match=r"\(complete steps: \[2, 4\]\)"):
+        _job(tmp_path, load_step=5)[3].load()
 
 
 def test_folder_helpers_take_a_str_path_and_an_unreadable_manifest_is_a_problem(tmp_path):
