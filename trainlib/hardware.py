@@ -2,7 +2,8 @@
 
 Dense bf16 tensor-core peaks without sparsity; MFU is reported against the
 bf16 peak also for float8 runs, so numbers compare across precisions. Memory
-and link bandwidths are given for the GPUs the planner models (None elsewhere).
+sizes and link bandwidths are given for the GPUs the planner models (None
+elsewhere); memory bandwidth, which prices the planner's float8 casts, for all.
 """
 
 from __future__ import annotations
