@@ -173,10 +173,9 @@ def _float8_linears(parts) -> tuple[dict[str, int], dict[str, float]]:
                 short = name.rsplit(".", 1)[-1]
                 counts[short] += 1
                 features = [m.out_features, m.in_features]  # the weight's dims
-                placement = _tp_placement(m.weight)
-                if placement is not None and placement.is_shard():
-                    features[placement.dim] //= m.weight.device_mesh.size(
-                        m.weight.device_mesh.mesh_dim_names.index("tp"))
+                shard = _tp_shard(m.weight)
+                if shard is not None:
+                    features[shard[0]] //= shard[1]
                 sizes[short] = linear_size(features[1], features[0])
     return dict(counts), sizes
 
@@ -189,13 +188,19 @@ def _tp_placement(p):
     return p.placements[names.index("tp")] if "tp" in names else None
 
 
+def _tp_shard(p) -> tuple[int, int] | None:
+    """(the dimension TP shards parameter `p` on, the tp degree), or None where TP does not shard it."""
+    placement = _tp_placement(p)
+    if placement is None or not placement.is_shard():
+        return None
+    return placement.dim, p.device_mesh.size(p.device_mesh.mesh_dim_names.index("tp"))
+
+
 def _per_tp_rank(p) -> int:
     """Elements of parameter `p` one tp rank holds before FSDP shards it: a dimension TP shards is
     divided by tp; TP's replicated parameters (the norm weights) are whole on every tp rank."""
-    placement = _tp_placement(p)
-    if placement is not None and placement.is_shard():
-        return p.numel() // p.device_mesh.size(p.device_mesh.mesh_dim_names.index("tp"))
-    return p.numel()
+    shard = _tp_shard(p)
+    return p.numel() if shard is None else p.numel() // shard[1]
 
 
 def _tp_replicated(p) -> bool:
