@@ -173,9 +173,7 @@ def convert_float8(model: nn.Module, cfg: Float8Config, *, fsdp: bool) -> list[s
     shapes: Counter[str] = Counter()  # "in->out" of converted linears
     kept: Counter[str] = Counter()  # "in->out (reason)" of the others
 
-    def convert(module: nn.Module, fqn: str) -> bool:
-        if not isinstance(module, nn.Linear):
-            return False
+    def convert(module: nn.Linear, fqn: str) -> bool:  # torchao asks about nn.Linear modules only
         reason = kept_reason(module, fqn, cfg)
         shape = f"{module.in_features}->{module.out_features}"
         if reason is None:

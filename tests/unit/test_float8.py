@@ -1,6 +1,8 @@
 """float8 training (torchao): which linears convert, with which recipe's
 scaling, and a clear refusal on old GPUs."""
 
+import sys
+
 import pytest
 import torch
 
@@ -250,3 +252,23 @@ def test_rounding_setting_makes_compiled_rowwise_compute_what_eager_computes():
     with_setting, without = gap(rounded), gap(unrounded)
     assert without > 0, "inductor now rounds like eager without the setting: this test sees nothing to fix"
     assert with_setting <= without / 100, f"compiled vs eager: {with_setting:.3g} with the setting, {without:.3g} without"
+
+
+@pytest.mark.parametrize("cfg", [
+    Float8Config(enable=False),
+    Float8Config(enable=True, recipe="rowwise"),
+    Float8Config(enable=True, recipe="tensorwise", fsdp_float8_all_gather=False),
+])
+def test_post_optimizer_step_touches_nothing_unless_tensorwise_weights_gather_in_float8(monkeypatch, cfg):
+    # Called every step: any other setup has no scales to precompute, so it must not import torchao
+    # (loader noise; a float8-off job needs none of it) or walk the model's modules.
+    monkeypatch.setitem(sys.modules, "torchao.float8", None)  # an import of it now raises ImportError
+
+    class Untouchable(torch.nn.Module):
+        def modules(self):
+            raise AssertionError("the model was walked")
+
+    float8_lib.float8_post_optimizer_step([Untouchable()], cfg)
+    monkeypatch.undo()
+    with pytest.raises(AssertionError, match="walked"):  # the setup that does precompute walks it
+        float8_lib.float8_post_optimizer_step([Untouchable()], Float8Config(enable=True, recipe="tensorwise"))
