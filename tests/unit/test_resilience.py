@@ -33,6 +33,28 @@ def test_a_preemption_signal_stops_after_the_next_step_and_the_handler_stays_for
             signal.signal(sig, handler)
 
 
+def test_the_stop_is_the_all_reduced_flag_read_after_the_reduction_completes(monkeypatch):
+    """Another rank's signal reaches this one through the flag's asynchronous MAX all-reduce, started with
+    the step and complete only once waited for: the answer at the step's end must be the reduced flag."""
+    class Pending:  # gloo's async work: the result lands in the tensor at wait()
+        def __init__(self, flag):
+            self.flag = flag
+
+        def wait(self):
+            self.flag.fill_(1)  # the other rank had a signal
+
+    monkeypatch.setattr(dist, "all_reduce", lambda flag, op, group, async_op: Pending(flag))
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    p = Preemption(group=object())
+    try:
+        p.start_step()
+        assert p.received is None and p.stop_agreed()
+    finally:
+        p.close()
+        for sig, handler in previous.items():  # kept by close(): a stop was agreed
+            signal.signal(sig, handler)
+
+
 def test_without_a_signal_close_restores_the_handlers():
     previous = signal.getsignal(signal.SIGTERM)
     p = Preemption(group=None)
@@ -143,6 +165,7 @@ def test_the_watchdog_watches_steps_only_and_the_first_rank_over_the_limit_marks
         assert reports[0] == (3, True) and store.get("trainlib/hang") == b"0"
     finally:
         dog.close()
+    assert not dog._thread.is_alive()  # close() returns once the thread has ended
 
 
 def test_a_hang_marked_by_another_rank_is_reported_between_steps_too(tmp_path, reports):
