@@ -258,6 +258,31 @@ def test_the_flight_recorder_gives_each_groups_last_collective(tmp_path):
     spawn(_flight_recorder_of_three_all_reduces, 2, str(tmp_path))
 
 
+def test_the_last_collective_leaves_out_point_to_point_transfers_and_groups_this_rank_is_not_in(tmp_path, monkeypatch):
+    """NCCL's recorder also lists sends and receives (a pipeline's activations; gloo's does not): they
+    carry the group's last collective number without being a collective every member enters."""
+    import json
+
+    import torch._C._distributed_c10d as c10d
+
+    from trainlib.resilience import _flight_recorder
+
+    def entry(seq, name, p2p=False, group="0"):
+        return {"process_group": [group, "default_pg"], "collective_seq_id": seq, "profiling_name": name,
+                "time_created_ns": seq, "is_p2p": p2p}
+
+    entries = [entry(3, "nccl:all_reduce"), entry(3, "nccl:send", p2p=True), entry(9, "nccl:all_gather", group="7")]
+    monkeypatch.delattr(c10d, "_dump_fr_trace_json", raising=False)
+    monkeypatch.setattr(c10d, "_dump_nccl_trace_json", lambda *_: json.dumps({"entries": entries}), raising=False)
+    init_distributed(CommConfig(), "cpu")
+    try:
+        last = _flight_recorder(tmp_path / "fr.json")
+    finally:
+        destroy_distributed()
+    assert last == {"0 [0]": [3, "nccl:all_reduce", 3, "default_pg rank 0", [0]]}
+    assert len(json.loads((tmp_path / "fr.json").read_text())) == 3  # the file keeps every entry
+
+
 def test_init_timeout_reaches_the_process_group(monkeypatch):
     calls = []
     monkeypatch.setattr(dist, "init_process_group", lambda **kw: calls.append(kw))
