@@ -126,6 +126,27 @@ def test_watchdog_limit_is_step_factor_times_the_median_and_enable_false_builds_
         destroy_distributed()
 
 
+def test_the_step_monitor_hands_each_step_to_the_watchdog_and_ends_its_watch(tmp_path):
+    """The loop talks to the monitor only: each step's start and end must reach the watchdog, or the time
+    between steps (saves, validation) would be watched and step times never learnt."""
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+    init_distributed(CommConfig(), "cpu")
+    monitor = StepMonitor(WatchdogConfig(), 60.0, tmp_path)
+    try:
+        for step in (1, 2):  # the first is not watched (compilation, first allocations)
+            monitor.start_step(step)
+            assert monitor.watchdog.step == step and monitor.watchdog.in_step
+            assert (monitor.watchdog._watch_from is not None) == (step == 2)
+            monitor.end_step()
+        assert not monitor.watchdog.in_step and monitor.watchdog._watch_from is None
+        assert len(monitor.watchdog.step_times) == 1
+    finally:
+        monitor.close()
+        destroy_distributed()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def _wait_for(reports, seconds=20.0):
     import time
 
