@@ -10,30 +10,41 @@ import pytest
 import torch.distributed as dist
 
 from trainlib.distributed import CommConfig, destroy_distributed, init_distributed
-from trainlib.resilience import Preemption, StepMonitor, Watchdog, WatchdogConfig, hang_verdict
+from trainlib.resilience import PREEMPTION_SIGNALS, Preemption, StepMonitor, Watchdog, WatchdogConfig, hang_verdict
 
 
-def test_a_preemption_signal_stops_after_the_next_step_and_the_handler_stays_for_the_exit():
-    # Both handlers are put back by hand (close() keeps them): a SIGTERM handler left in the pytest
-    # process is inherited by the workers prepare() forks, which then ignore the pool's SIGTERM.
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
+@pytest.fixture
+def handlers():
+    """Puts the preemption signals' handlers back after the test, by hand: close() keeps them once a stop
+    was agreed, and a SIGTERM handler left in the pytest process is inherited by the workers prepare()
+    forks, which then ignore the pool's SIGTERM."""
+    previous = {sig: signal.getsignal(sig) for sig in PREEMPTION_SIGNALS}
+    yield
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+@pytest.fixture
+def world_of_one():
+    init_distributed(CommConfig(), "cpu")
+    yield
+    destroy_distributed()
+
+
+def test_a_preemption_signal_stops_after_the_next_step_and_the_handler_stays_for_the_exit(handlers):
     p = Preemption(group=None)
-    try:
-        p.start_step()
-        assert not p.stop_agreed()
-        p.start_step()
-        os.kill(os.getpid(), signal.SIGUSR1)  # during a step: that step's flag was taken at its start
-        assert not p.stop_agreed()
-        p.start_step()
-        assert p.stop_agreed() and p.received == signal.SIGUSR1
-        p.close()
-        os.kill(os.getpid(), signal.SIGUSR1)  # torchrun's SIGTERM to the other workers, say: ignored
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    p.start_step()
+    assert not p.stop_agreed()
+    p.start_step()
+    os.kill(os.getpid(), signal.SIGUSR1)  # during a step: that step's flag was taken at its start
+    assert not p.stop_agreed()
+    p.start_step()
+    assert p.stop_agreed() and p.received == signal.SIGUSR1
+    p.close()
+    os.kill(os.getpid(), signal.SIGUSR1)  # torchrun's SIGTERM to the other workers, say: ignored
 
 
-def test_the_stop_is_the_all_reduced_flag_read_after_the_reduction_completes(monkeypatch):
+def test_the_stop_is_the_all_reduced_flag_read_after_the_reduction_completes(monkeypatch, handlers):
     """Another rank's signal reaches this one through the flag's asynchronous MAX all-reduce, started with
     the step and complete only once waited for: the answer at the step's end must be the reduced flag."""
     class Pending:  # gloo's async work: the result lands in the tensor at wait()
@@ -44,15 +55,12 @@ def test_the_stop_is_the_all_reduced_flag_read_after_the_reduction_completes(mon
             self.flag.fill_(1)  # the other rank had a signal
 
     monkeypatch.setattr(dist, "all_reduce", lambda flag, op, group, async_op: Pending(flag))
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
     p = Preemption(group=object())
     try:
         p.start_step()
         assert p.received is None and p.stop_agreed()
     finally:
         p.close()
-        for sig, handler in previous.items():  # kept by close(): a stop was agreed
-            signal.signal(sig, handler)
 
 
 def test_without_a_signal_close_restores_the_handlers():
@@ -109,28 +117,22 @@ def test_hang_verdict_when_every_rank_waits():
     assert hang_verdict(reports, 3, 3.0, Path("/run")).startswith("hang: no rank is behind, every rank waits")
 
 
-def test_watchdog_limit_is_step_factor_times_the_median_and_enable_false_builds_none(tmp_path):
-    init_distributed(CommConfig(), "cpu")
-    try:
-        off = StepMonitor(WatchdogConfig(enable=False), 60.0, tmp_path)
-        assert off.watchdog is None
-        off.close()
-        monitor = StepMonitor(WatchdogConfig(step_factor=4, min_seconds=1), 60.0, tmp_path)
-        # Stopped first: its thread must never judge these made-up step times against the clock.
-        monitor.close()
-        for step in (1, 2, 3):
-            monitor.watchdog.start_step(step, watched=True)
-            monitor.watchdog.end_step(1.0)
-        assert monitor.watchdog.limit() == 4.0
-    finally:
-        destroy_distributed()
+def test_watchdog_limit_is_step_factor_times_the_median_and_enable_false_builds_none(tmp_path, world_of_one):
+    off = StepMonitor(WatchdogConfig(enable=False), 60.0, tmp_path)
+    assert off.watchdog is None
+    off.close()
+    monitor = StepMonitor(WatchdogConfig(step_factor=4, min_seconds=1), 60.0, tmp_path)
+    # Stopped first: its thread must never judge these made-up step times against the clock.
+    monitor.close()
+    for step in (1, 2, 3):
+        monitor.watchdog.start_step(step, watched=True)
+        monitor.watchdog.end_step(1.0)
+    assert monitor.watchdog.limit() == 4.0
 
 
-def test_the_step_monitor_hands_each_step_to_the_watchdog_and_ends_its_watch(tmp_path):
+def test_the_step_monitor_hands_each_step_to_the_watchdog_and_ends_its_watch(tmp_path, handlers, world_of_one):
     """The loop talks to the monitor only: each step's start and end must reach the watchdog, or the time
     between steps (saves, validation) would be watched and step times never learnt."""
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    init_distributed(CommConfig(), "cpu")
     monitor = StepMonitor(WatchdogConfig(), 60.0, tmp_path)
     try:
         for step in (1, 2):  # the first is not watched (compilation, first allocations)
@@ -142,9 +144,6 @@ def test_the_step_monitor_hands_each_step_to_the_watchdog_and_ends_its_watch(tmp
         assert len(monitor.watchdog.step_times) == 1
     finally:
         monitor.close()
-        destroy_distributed()
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _wait_for(reports, seconds=20.0):
@@ -200,11 +199,9 @@ def test_a_hang_marked_by_another_rank_is_reported_between_steps_too(tmp_path, r
         dog.close()
 
 
-def test_step_monitor_times_steps_for_the_spread_and_passes_the_stop_on(tmp_path):
+def test_step_monitor_times_steps_for_the_spread_and_passes_the_stop_on(tmp_path, handlers, world_of_one):
     import time
 
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGTERM, signal.SIGUSR1)}
-    init_distributed(CommConfig(), "cpu")
     monitor = StepMonitor(WatchdogConfig(enable=False), 60.0, tmp_path)
     try:
         for seconds in (0.05, 0.25):
@@ -223,9 +220,6 @@ def test_step_monitor_times_steps_for_the_spread_and_passes_the_stop_on(tmp_path
         assert monitor.end_step() is True
     finally:
         monitor.close()
-        destroy_distributed()
-        for sig, handler in previous.items():  # kept by close() for the exit that a stop means
-            signal.signal(sig, handler)
 
 
 def test_a_stack_is_located_by_its_innermost_frame_trainlib_caller_and_torch_distributed_function():
@@ -279,7 +273,8 @@ def test_the_flight_recorder_gives_each_groups_last_collective(tmp_path):
     spawn(_flight_recorder_of_three_all_reduces, 2, str(tmp_path))
 
 
-def test_the_last_collective_leaves_out_point_to_point_transfers_and_groups_this_rank_is_not_in(tmp_path, monkeypatch):
+def test_the_last_collective_leaves_out_point_to_point_transfers_and_groups_this_rank_is_not_in(tmp_path, monkeypatch,
+                                                                                                  world_of_one):
     """NCCL's recorder also lists sends and receives (a pipeline's activations; gloo's does not): they
     carry the group's last collective number without being a collective every member enters."""
     import json
@@ -295,11 +290,7 @@ def test_the_last_collective_leaves_out_point_to_point_transfers_and_groups_this
     entries = [entry(3, "nccl:all_reduce"), entry(3, "nccl:send", p2p=True), entry(9, "nccl:all_gather", group="7")]
     monkeypatch.delattr(c10d, "_dump_fr_trace_json", raising=False)
     monkeypatch.setattr(c10d, "_dump_nccl_trace_json", lambda *_: json.dumps({"entries": entries}), raising=False)
-    init_distributed(CommConfig(), "cpu")
-    try:
-        last = _flight_recorder(tmp_path / "fr.json")
-    finally:
-        destroy_distributed()
+    last = _flight_recorder(tmp_path / "fr.json")
     assert last == {"0 [0]": [3, "nccl:all_reduce", 3, "default_pg rank 0", [0]]}
     assert len(json.loads((tmp_path / "fr.json").read_text())) == 3  # the file keeps every entry
 
