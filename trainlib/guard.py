@@ -62,6 +62,7 @@ from typing import Literal
 import torch
 
 from trainlib.errors import ConfigError, TrainingStopped
+from trainlib.optim import fused_on
 
 logger = logging.getLogger("trainlib")
 
@@ -101,8 +102,7 @@ class Guard:
         self.cfg, self.optimizer = cfg, optimizer
         # Fused AdamW reads `found_inf` where the parameters live; with them offloaded
         # to the CPU that would be an unsynchronised copy from the GPU: gate on the host.
-        self.device_gate = all(g.get("fused") and all(p.device == device for p in g["params"])
-                               for g in optimizer.param_groups)
+        self.device_gate = fused_on(optimizer, device)
         self.host_gate = not self.device_gate and "skip" in (cfg.on_nonfinite, cfg.on_spike)
         self.window = torch.full((cfg.spike_window,), math.nan, device=device)  # ring of good losses
         self.n_good = torch.zeros((), dtype=torch.long, device=device)

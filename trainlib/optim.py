@@ -77,6 +77,14 @@ def implementation_of(optimizer: torch.optim.Optimizer) -> str:
     return "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
 
 
+def fused_on(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
+    """Whether every group of `optimizer` is torch's fused AdamW over
+    parameters on `device`: then its step reads the on-device inputs
+    `found_inf` (skip the update) and `grad_scale` (divide each gradient by
+    it) that torch's GradScaler feeds it, with no host sync."""
+    return all(g.get("fused") and all(p.device == device for p in g["params"]) for g in optimizer.param_groups)
+
+
 def _adamw(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     impl = resolve_implementation(cfg.implementation, (p for g in groups for p in g["params"]))
     kwargs = {"foreach": dict(foreach=True), "fused": dict(fused=True), "for-loop": dict(foreach=False)}[impl]

@@ -184,7 +184,8 @@ def train_loop(job: Job) -> list[dict]:
         dist.all_reduce(n_targets, group=dp_group)
 
         loss = job.dims.sum_loss(forward_backward(job, micro_batches, n_targets))
-        grad_norm = clip_grad_norm_([p for m in job.model_parts for p in m.parameters()], t.max_norm, pp_mesh)
+        grad_norm = clip_grad_norm_([p for m in job.model_parts for p in m.parameters()], t.max_norm, pp_mesh,
+                                    optimizer=job.optimizer)
         if job.guard.check(step, loss, grad_norm):  # judged on the device; False: a skip the host knows of
             job.optimizer.step()
         float8_post_optimizer_step(job.model_parts, cfg.float8)

@@ -103,3 +103,64 @@ def _check_clip_over_stages(rank, world):
 
 def test_clip_norm_spans_pipeline_stages():
     spawn(_check_clip_over_stages, 2)
+
+
+def _clip_then_step(make_params, max_norm, implementation):
+    """Two copies of the same parameters and gradients under fused AdamW:
+    one clipped here, one with the clip handed to the optimizer's step.
+    Returns (params, grads) of both after the step, and the handed-over
+    copy's gradients and `grad_scale` as they were between clip and step."""
+    out = []
+    for hand_over in (False, True):
+        params = make_params()
+        opt = torch.optim.AdamW(params, lr=0.1, **{implementation: True})
+        norm = clip_grad_norm_(params, max_norm, optimizer=opt if hand_over else None)
+        between = ([p.grad.clone() for p in params], getattr(opt, "grad_scale", "unset"), norm)
+        opt.step()
+        out.append(([p.detach().clone() for p in params], [p.grad for p in params], between))
+    return out
+
+
+def _check_clip_in_fused_step(rank, world):
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp_shard",))
+
+    def make(sharded):
+        gen = torch.Generator().manual_seed(1)
+        params = []
+        for shape in [(4, 3), (6,), (5, 2)]:  # 5 rows: uneven shards
+            w, g = torch.randn(shape, generator=gen), 4 * torch.randn(shape, generator=gen)
+            if sharded:
+                w, g = (distribute_tensor(t, mesh, [Shard(0)]) for t in (w, g))
+            p = torch.nn.Parameter(w)
+            p.grad = g
+            params.append(p)
+        return params
+
+    for sharded in (False, True):
+        grads0 = [p.grad.full_tensor() if sharded else p.grad for p in make(sharded)]
+        want = math.sqrt(sum(float((g * g).sum()) for g in grads0))  # ~20
+        for max_norm in (1.0, 1e3, 0.0):  # clipping, under the norm, measuring only
+            (p_here, g_here, _), (p_step, g_step, (g_between, scale, norm)) = _clip_then_step(
+                lambda: make(sharded), max_norm, "fused")
+            clips = 0 < max_norm < want
+            # Handed over: nothing scaled before the step; the step gets 1 / clip factor (1 when under the norm).
+            for g, g0 in zip(g_between, grads0):
+                torch.testing.assert_close(g.full_tensor() if sharded else g, g0, rtol=0, atol=0)
+            if max_norm > 0:
+                assert abs(float(scale) - max(1.0, (want + 1e-6) / max_norm)) < 1e-5 * want, (float(scale), want)
+            else:
+                assert scale is None
+            assert abs(float(norm) - want) < 1e-5 * want
+            # After the step both copies hold the same parameters and the same (clipped) gradients.
+            for a, b in zip(p_here + g_here, p_step + g_step):
+                torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-7)
+            assert clips == (max_norm == 1.0)
+        # Under foreach the clip stays here: no grad_scale is set.
+        (_, _, _), (_, _, (g_between, scale, _)) = _clip_then_step(lambda: make(sharded), 1.0, "foreach")
+        assert scale == "unset"
+        full = [g.full_tensor() if sharded else g for g in g_between]
+        torch.testing.assert_close(full[0], grads0[0] / (want + 1e-6))
+
+
+def test_clip_is_handed_to_a_fused_adamw_step_with_the_same_result():
+    spawn(_check_clip_in_fused_step, 2)

@@ -29,9 +29,9 @@ def test_grad_accumulation_matches_single_micro_batch(tmp_path, monkeypatch):
         micro_batches.append(len(mbs))
         return real_forward_backward(job, mbs, n_targets)
 
-    def clip_grad_norm_(params, max_norm, *rest):
+    def clip_grad_norm_(params, max_norm, *rest, **kw):
         max_norms.append(max_norm)
-        return real_clip(params, max_norm, *rest)
+        return real_clip(params, max_norm, *rest, **kw)
 
     monkeypatch.setattr(loop, "forward_backward", forward_backward)
     monkeypatch.setattr(loop, "clip_grad_norm_", clip_grad_norm_)

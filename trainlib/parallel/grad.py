@@ -10,10 +10,13 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate
 
+from trainlib.optim import fused_on
+
 
 @torch.no_grad()
 def clip_grad_norm_(
-    params: Iterable[torch.Tensor], max_norm: float, pp_mesh: DeviceMesh | None = None
+    params: Iterable[torch.Tensor], max_norm: float, pp_mesh: DeviceMesh | None = None, *,
+    optimizer: torch.optim.Optimizer | None = None,
 ) -> torch.Tensor:
     """Clip gradients by their global L2 norm and return that norm (a plain tensor).
 
@@ -28,6 +31,12 @@ def clip_grad_norm_(
     (`resolve_partial_grads`), and every gradient is given its parameter's
     placements (`shard_grads_like_params`), so each leaves here final and
     shaped like its parameter.
+
+    `optimizer`, the one whose next step consumes these gradients: when it is
+    torch's fused AdamW on the gradients' device (`fused_on`), the clip is
+    handed to that step as its `grad_scale` (the kernel divides each gradient
+    by it as it reads it, and stores the result) instead of a pass of its own
+    over every gradient here. The gradients end the step clipped either way.
     """
     params = [p for p in params if p.grad is not None]
     resolve_partial_grads(params)
@@ -43,8 +52,15 @@ def clip_grad_norm_(
         sq = norm.float() ** 2
         dist.all_reduce(sq, group=pp_mesh.get_group())
         norm = sq.sqrt()
+    in_step = optimizer is not None and fused_on(optimizer, norm.device)
+    scale = None
     if max_norm > 0 and grads and math.isfinite(max_norm):
-        torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+        if in_step:  # the reciprocal of clip_grads_with_norm_'s factor
+            scale = ((norm.float() + 1e-6) / max_norm).clamp(min=1.0)
+        else:
+            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    if in_step:
+        optimizer.grad_scale = scale
     return norm
 
 
