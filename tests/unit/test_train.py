@@ -22,7 +22,7 @@ def test_grad_accumulation_matches_single_micro_batch(tmp_path, monkeypatch):
     import trainlib.train as loop
 
     # What the loop passed on, per step: equal curves alone would also come from a local_batch_size ignored.
-    micro_batches, max_norms, timeouts = [], [], []
+    micro_batches, max_norms, timeouts, optimizers = [], [], [], []
     real_forward_backward, real_clip = loop.forward_backward, loop.clip_grad_norm_
 
     def forward_backward(job, mbs, n_targets):
@@ -31,6 +31,7 @@ def test_grad_accumulation_matches_single_micro_batch(tmp_path, monkeypatch):
 
     def clip_grad_norm_(params, max_norm, *rest, **kw):
         max_norms.append(max_norm)
+        optimizers.append(kw.get("optimizer"))  # the clip may be left to a fused AdamW's step
         return real_clip(params, max_norm, *rest, **kw)
 
     monkeypatch.setattr(loop, "forward_backward", forward_backward)
@@ -50,11 +51,13 @@ def test_grad_accumulation_matches_single_micro_batch(tmp_path, monkeypatch):
     # One step more, against `one`'s first (seed 0, the same data): the keys the loop itself reads.
     max_norms.clear()
     timeouts.clear()
+    optimizers.clear()
     # 100 s: a timeout below 2 x watchdog.min_seconds (30) is refused at setup.
     reseeded = train(_cfg(tmp_path / "c", "--training.steps=1", "--training.seed=1", "--training.max_norm=0.5",
                           "--comm.train_timeout_seconds=100"))
     assert reseeded[0]["loss"] != one[0]["loss"]  # other initial weights
     assert max_norms == [0.5] and timeouts == [100]
+    assert len(optimizers) == 1 and isinstance(optimizers[0], torch.optim.AdamW)
 
 
 def test_outputs_metrics_contract_and_config(tmp_path):
