@@ -106,8 +106,9 @@ def test_clip_norm_spans_pipeline_stages():
 
 
 def _clip_then_step(make_params, max_norm, implementation):
-    """Two copies of the same parameters and gradients under fused AdamW:
-    one clipped here, one with the clip handed to the optimizer's step.
+    """Two copies of the same parameters and gradients under AdamW's
+    `implementation` ("fused" or "foreach"): one clipped here, one whose
+    optimizer is passed to the clip (the hand-over happens under fused only).
     Returns (params, grads) of both after the step, and the handed-over
     copy's gradients and `grad_scale` as they were between clip and step."""
     out = []
