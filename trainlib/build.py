@@ -25,6 +25,7 @@ from trainlib.models.registry import get_model_spec, model_args
 from trainlib.parallel.compile import maybe_compile_loss
 from trainlib.parallel.parallel_dims import ParallelDims
 from trainlib.parallel.pp import Pipeline, build_pipeline
+from trainlib.precision import LowPrecisionCopies, keep_low_precision_copies
 
 
 @dataclass
@@ -40,6 +41,8 @@ class ModelParts:
     # (the weights stay fp32); None: FSDP casts the parameters, or fp32.
     autocast_dtype: torch.dtype | None = None
     loss_chunk_tokens: int | None = None  # loss.chunk_tokens resolved; None: whole logits
+    # Under autocast with training.mixed_precision_weight_copy: the matmul weights' bf16 copies (trainlib.precision)
+    weight_copies: LowPrecisionCopies | None = None
 
 
 def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelParts:
@@ -78,10 +81,12 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelPar
                           ce=loss_fn, loss_parallel=cfg.parallelism.tp_loss_parallel)
     else:
         chunk_tokens = None
+    # Autocast is a one-rank path: no pipeline split follows.
+    copies = keep_low_precision_copies(model, autocast) if autocast and t.mixed_precision_weight_copy else None
     if dims.pp_enabled:  # this rank's stages, each parallelized like a whole model
         pipeline = build_pipeline(model, dims, cfg.parallelism, device, parallelize, loss_fn)
         return ModelParts(pipeline.model_parts, pipeline, args, n_params, loss_fn, autocast, chunk_tokens)
-    return ModelParts([parallelize(model)], None, args, n_params, loss_fn, autocast, chunk_tokens)
+    return ModelParts([parallelize(model)], None, args, n_params, loss_fn, autocast, chunk_tokens, copies)
 
 
 def loss_chunk_tokens(cfg, vocab_size: int, tp: int, device_type: str) -> int:
@@ -95,6 +100,8 @@ def describe_choices(cfg, built: ModelParts, optimizer_impl: str) -> str:
     t = cfg.training
     if built.autocast_dtype is not None:
         precision = f"{t.mixed_precision_param} autocast over fp32 weights ({t.mixed_precision_impl})"
+        if built.weight_copies is not None:
+            precision += f", one {t.mixed_precision_param} weight copy per step"
     elif t.mixed_precision_param != "float32":
         precision = f"{t.mixed_precision_param} params by FSDP, {t.mixed_precision_reduce} reduce"
     else:

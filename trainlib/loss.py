@@ -20,6 +20,7 @@ from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
 from trainlib.errors import ConfigError
+from trainlib.precision import kept_copy
 
 IGNORE_INDEX = -100
 
@@ -93,21 +94,25 @@ def chunked_cross_entropy_sum(h: torch.Tensor, labels: torch.Tensor, *, output: 
     DTensor. The chunk's logits are then vocab shards, and `ce` runs on them
     in the caller's `loss_parallel()` context; `loss_parallel=False` gathers
     them first (parallelism.tp_loss_parallel=false). Matmuls follow the
-    ambient autocast's dtype (the weight is cast once, not per chunk). Each
+    ambient autocast's dtype (the weight is cast once, not per chunk, or its
+    kept low-precision copy is read: trainlib.precision). Each
     chunk's gradients are computed in the forward, right after its loss: the
     logits chunk and its gradient live for one chunk, and nothing is
     recomputed. The weight gradient is summed over chunks in fp32 (or
     fp64) whatever the matmul dtype, then held in the weight's dtype: a bf16
     running sum over many chunks would lose bits with every chunk, where the
-    whole-logits matmul rounds once.
+    whole-logits matmul rounds once. On CUDA each bf16 chunk's product is
+    added inside its GEMM (`add_product_`).
     """
     if isinstance(h, DTensor):  # sequence shards under SP: the projection needs every token anyway
         h = h.full_tensor()
     h, labels = h.flatten(0, -2), labels.flatten()
     if torch.is_grad_enabled() and (h.requires_grad or output.weight.requires_grad):
-        return _ChunkedLinearCrossEntropy.apply(h, output.weight, labels, ce, chunk_tokens, loss_parallel)
+        return _ChunkedLinearCrossEntropy.apply(h, output.weight, labels, ce, chunk_tokens, loss_parallel,
+                                                kept_copy(output))
     with torch.no_grad():
-        w = _compute_weight(output.weight)
+        w = kept_copy(output)
+        w = _compute_weight(output.weight) if w is None else w
         return sum(ce(_for_ce(F.linear(_like(hc, w).to(w.dtype), w), loss_parallel), lc)
                    for hc, lc in zip(h.split(chunk_tokens), labels.split(chunk_tokens)))
 
@@ -138,9 +143,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     hidden state only, so these are the gradients of the whole sum."""
 
     @staticmethod
-    def forward(ctx, h, weight, labels, ce, chunk_tokens, loss_parallel):
+    def forward(ctx, h, weight, labels, ce, chunk_tokens, loss_parallel, kept_copy=None):
         grad_h = torch.empty_like(h) if ctx.needs_input_grad[0] else None
-        w = _compute_weight(weight)
+        w = _compute_weight(weight) if kept_copy is None else kept_copy
         acc_dtype = torch.promote_types(w.dtype, torch.float32)
         grad_w = torch.zeros_like(w, dtype=acc_dtype) if ctx.needs_input_grad[1] else None
         losses = []
@@ -156,10 +161,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                 dh = g @ w
                 grad_h[start:start + hc.shape[0]] = dh.full_tensor() if isinstance(dh, DTensor) else dh
             if grad_w is not None:
-                if g.dtype == acc_dtype:
-                    grad_w.addmm_(g.T, x)
-                else:  # the chunk's product rounds once to bf16/fp16; the running sum stays fp32
-                    grad_w += g.T @ x
+                add_product_(grad_w, g.T, x)
             losses.append(loss.detach())
             start += hc.shape[0]
         # Held until the backward in the parameter's dtype, as its gradient will be.
@@ -172,7 +174,22 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         # Out of place: zero-bubble pipeline schedules run this backward twice
         # (input gradients, then weight gradients).
         return (None if grad_h is None else grad_h * grad_loss,
-                None if grad_w is None else grad_w * grad_loss, None, None, None, None)
+                None if grad_w is None else grad_w * grad_loss, None, None, None, None, None)
+
+
+def add_product_(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor) -> None:
+    """acc += a @ b, for an fp32 (or fp64) `acc` and operands of its dtype or
+    lower. Lower-precision operands on CUDA: the GEMM adds its fp32
+    accumulator into `acc` itself (cuBLAS with an fp32 output), so the
+    product is never rounded to bf16 and never written out and read back.
+    Elsewhere (CPU, which has no such kernel, and DTensors) the product
+    rounds once to the operands' dtype and is then added in `acc`'s dtype."""
+    if a.dtype == acc.dtype:
+        acc.addmm_(a, b)
+    elif acc.is_cuda and acc.dtype == torch.float32 and not isinstance(a, DTensor):
+        torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+    else:
+        acc += a @ b
 
 
 def count_targets(labels: torch.Tensor) -> torch.Tensor:

@@ -23,7 +23,10 @@ def test_auto_is_fused_when_every_parameter_is_on_cuda():
     assert resolve_implementation("auto", [_on("cuda:0"), _on("cuda:1")]) == "fused"
     assert resolve_implementation("auto", [_on("cpu")]) == "foreach"
     assert resolve_implementation("auto", [_on("cuda:0"), _on("cpu")]) == "foreach"  # e.g. FSDP CPU offload
-    for explicit in ("foreach", "fused", "for-loop"):  # an explicit value means what it always meant
+    # Where the weights keep bf16 copies (autocast on one GPU), trainlib's AdamW writes them in its own pass.
+    assert resolve_implementation("auto", [_on("cuda:0")], weight_copies=True) == "compiled"
+    assert resolve_implementation("auto", [_on("cpu")], weight_copies=True) == "foreach"
+    for explicit in ("foreach", "fused", "for-loop", "compiled"):  # an explicit value means what it always meant
         assert resolve_implementation(explicit, [_on("cuda:0")]) == explicit
         assert resolve_implementation(explicit, [_on("cpu")]) == explicit
 
@@ -132,8 +135,8 @@ def test_autocast_trains_close_to_fsdp_bf16_and_says_so(tmp_path, capsys):
     # 7.7e-4 of FSDP-bf16 and within 1.1e-4 of fp32 (it keeps the residual stream and norms in fp32).
     autocast = train(_cfg(tmp_path / "a"))
     line = [x for x in capsys.readouterr().out.splitlines() if "chosen:" in x]
-    assert line == ["[trainlib] chosen: adamw foreach (auto) | bfloat16 autocast over fp32 weights (auto) | "
-                    "loss chunked by 256 tokens (auto) | AC none | eager | no float8"], line
+    assert line == ["[trainlib] chosen: adamw foreach (auto) | bfloat16 autocast over fp32 weights (auto), one "
+                    "bfloat16 weight copy per step | loss chunked by 256 tokens (auto) | AC none | eager | no float8"], line
     fsdp = train(_cfg(tmp_path / "b", "--training.mixed_precision_impl=fsdp"))
     assert "bfloat16 params by FSDP, float32 reduce" in capsys.readouterr().out
     fp32 = train(_cfg(tmp_path / "c", "--training.mixed_precision_param=float32"))

@@ -28,7 +28,7 @@ LAYERS = [
     ("core: single-process parts, each usable alone",
      ["trainlib.errors", "trainlib.guard", "trainlib.config.loader", "trainlib.config.cli", "trainlib.config.recipes", "trainlib.launch", "trainlib.hardware", "trainlib.loss", "trainlib.distributed", "trainlib.metrics", "trainlib.profiling",
       "trainlib.resilience",
-      "trainlib.optim", "trainlib.float8", "trainlib.data", "trainlib.data.*", "trainlib.models",
+      "trainlib.optim", "trainlib.adamw", "trainlib.precision", "trainlib.float8", "trainlib.data", "trainlib.data.*", "trainlib.models",
       "trainlib.params", "trainlib.models.*.model", "trainlib.models.*.state_dict_adapter"]),
     ("parallel: the mesh, one module per axis, per-model parallelization",
      ["trainlib.parallel", "trainlib.parallel.*", "trainlib.models.*", "trainlib.build", "trainlib.validation"]),

@@ -67,6 +67,10 @@ class TrainingConfig(GuardConfig):
         "how a bfloat16 mixed_precision_param is applied: auto = torch.autocast over fp32 weights in a job of one "
         "rank, FSDP's mixed-precision policy otherwise; fsdp = FSDP everywhere (also on one rank); "
         "autocast = autocast (one rank only)")})
+    mixed_precision_weight_copy: bool = field(default=True, metadata={"help": (
+        "under autocast (one rank): keep one bfloat16 copy of every matmul weight, made once per optimizer step, "
+        "for the forward, its recompute and the backward to read, instead of casting each weight where each of "
+        "them runs; same numbers, 2 bytes more per weight (trainlib.precision)")})
     gc_freq: int = field(default=50, metadata={"help": "Python's automatic garbage collection is off during "
                                                        "training and a collection runs every gc_freq steps; "
                                                        "0 = leave it automatic (docs/performance.md)"})
