@@ -104,7 +104,7 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
         init_model_weights(part, t.seed, info.device, "cpu" if cfg.parallelism.fsdp_cpu_offload else None)
         part.train()
 
-    optimizer = build_optimizer(built.parts, cfg.optimizer)
+    optimizer = build_optimizer(built.parts, cfg.optimizer, built.weight_copies)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     dp_rank, dp_world = dims.dp_coords()
     loader = build_dataloader(cfg.data, tokenizer, t.seq_len, local_bs, dp_rank, dp_world, t.seed)

@@ -24,14 +24,14 @@ def test_dataloader_state_under_incompatible_dp_is_a_clear_error():
         b.load_state_dict(a.state_dict())
 
 
-def _job(run_dir, model_args=None, **cfg):
+def _job(run_dir, model_args=None, optimizer=None, **cfg):
     from trainlib.models.llama3 import Transformer, get_model_args
     from trainlib.optim import LRSchedulerConfig, OptimizerConfig, build_lr_scheduler, build_optimizer
 
     args = get_model_args("debug", **{"n_layers": 2, **(model_args or {})})
     model = Transformer(args, rope_len=8)
     model.init_weights(seed=0)
-    opt = build_optimizer([model], OptimizerConfig())
+    opt = build_optimizer([model], OptimizerConfig(**(optimizer or {})))
     sched = build_lr_scheduler(opt, LRSchedulerConfig(warmup_steps=2), 10)
     states = {"model": ModelState([model]), "optimizer": OptimizerState([model], opt), "scheduler": sched,
               "trainer": TrainState(tokens_per_step=100, model_args=args)}
@@ -257,6 +257,28 @@ def test_a_checkpoint_of_another_model_shape_is_one_clear_line(tmp_path, other, 
     _, _, _, ck2 = _job(tmp_path, model_args=other)
     with pytest.raises(ConfigError, match=expected + ": load it with the model.flavor / n_layers / vocab_size"):
         ck2.load()
+
+
+def test_bf16_moments_resume_as_saved_and_never_load_into_fp32_ones(tmp_path):
+    from trainlib.errors import ConfigError
+
+    model, opt, sched, ck = _job(tmp_path, optimizer={"state_dtype": "bfloat16"}, interval=1)
+    for step in (1, 2):
+        _train_step(model, opt, sched)
+    ck.maybe_save(2, last_step=2)
+    saved = [{k: v.clone() for k, v in s.items()} for s in opt.state.values()]
+    _, opt2, _, ck2 = _job(tmp_path, optimizer={"state_dtype": "bfloat16"})
+    assert ck2.load() == 2
+    for s, t in zip(saved, opt2.state.values()):
+        assert t["exp_avg"].dtype == t["exp_avg_sq"].dtype == torch.bfloat16
+        assert all(torch.equal(v, t[k]) for k, v in s.items())
+    for other in ({}, {"implementation": "compiled"}):  # fp32 moments, torch's AdamW or trainlib's
+        _, _, _, ck3 = _job(tmp_path, optimizer=other)
+        with pytest.raises(ConfigError, match=r"^checkpoint \S+step-2 holds the optimizer state "
+                                              r"tok_embeddings.weight.exp_avg in bfloat16, this run keeps it in "
+                                              r"float32 \(optimizer.state_dtype\): load it with "
+                                              r"optimizer.state_dtype = 'bfloat16'$"):
+            ck3.load()
 
 
 def test_checkpoints_off_never_resume_a_checkpoint_left_in_the_folder(tmp_path):

@@ -117,7 +117,7 @@ def test_torch_value_error_in_setup_is_not_a_user_error(capsys, tmp_path, monkey
     # Before, any ValueError raised during setup became "trainlib: error: ..." and lost its traceback.
     import trainlib.train as tt
 
-    monkeypatch.setattr(tt, "build_optimizer", lambda parts, cfg: torch.optim.AdamW([], lr=1e-3))
+    monkeypatch.setattr(tt, "build_optimizer", lambda parts, cfg, *copies: torch.optim.AdamW([], lr=1e-3))
     assert main(["--training.steps=1", f"--job.dump_folder={tmp_path}"]) == 1
     err = capsys.readouterr().err
     assert "[rank 0] ValueError: optimizer got an empty parameter list" in err

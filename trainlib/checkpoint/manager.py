@@ -179,6 +179,19 @@ def check_model_matches(path: Path, model_sd: dict[str, Any]) -> None:
                               "load it with the model.flavor / n_layers / vocab_size it was saved with")
 
 
+def check_optimizer_matches(path: Path, optimizer_sd: dict[str, Any]) -> None:
+    """One clear line, before DCP would cast them silently, when the
+    checkpoint's optimizer state tensors are of another dtype than this run's
+    (AdamW's moments in bf16 or fp32: optimizer.state_dtype)."""
+    meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    for name, t in optimizer_sd["state"].items():
+        m = meta.get(f"optimizer.state.{name}")
+        if isinstance(m, TensorStorageMetadata) and isinstance(t, torch.Tensor) and m.properties.dtype != t.dtype:
+            saved, mine = (str(d).removeprefix("torch.") for d in (m.properties.dtype, t.dtype))
+            raise ConfigError(f"checkpoint {path} holds the optimizer state {name} in {saved}, this run keeps it in "
+                              f"{mine} (optimizer.state_dtype): load it with optimizer.state_dtype = '{saved}'")
+
+
 class Checkpointer:
     """Saves and restores a run's registered `Stateful` parts, so that it can
     continue exactly.
@@ -285,6 +298,8 @@ class Checkpointer:
         states = {k: self.states[k] for k in (keys or self.states)}
         if "model" in states:
             check_model_matches(Path(path), self.model.state_dict())
+        if "optimizer" in states:
+            check_optimizer_matches(Path(path), states["optimizer"].state_dict())
         # Parts raise a ValueError naming the rule (e.g. a DP degree that
         # cannot continue the data stream exactly) before any step runs.
         dcp.load(states, checkpoint_id=str(path))
