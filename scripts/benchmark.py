@@ -69,6 +69,9 @@ FULL_AC = ["--activation_checkpoint.mode=full"]
 # The table's compiled rows compile the loss chunks too, as the recipes do and
 # as TorchTitan does by default (its compile covers model and loss).
 COMPILE_ALL = COMPILE + ["--compile.loss=true"]
+NO_COPY = ["--training.mixed_precision_weight_copy=false"]
+FUSED_ADAMW = ["--optimizer.implementation=fused"]
+BF16_STATE = ["--optimizer.state_dtype=bfloat16"]
 L8B = {"flavor": "llama3.1_8b", "n_layers": 8, "seq": 8192, "batch": 1}
 L1B = {"flavor": "llama3.2_1b", "n_layers": 16, "seq": 8192, "batch": 1}
 PRESETS: dict[str, tuple[dict, list[str]]] = {
@@ -87,6 +90,13 @@ PRESETS: dict[str, tuple[dict, list[str]]] = {
     "8b8-compile-sac-wholelogits": (L8B, COMPILE_ALL + SAC + ["--loss.chunked=false"]),
     "8b8-compile-sac-chunk256": (L8B, COMPILE_ALL + SAC + ["--loss.chunk_tokens=256"]),  # CUDA's auto is 2048
     "8b8-compile-sac-nocloss": (L8B, COMPILE + SAC),  # the loss chunks run eagerly (compile.loss's default)
+    "8b8-compile-sac-nocopy": (L8B, COMPILE_ALL + SAC + NO_COPY),  # weights cast where used, not once per step
+    # torch's fused AdamW and a separate pass for the weight copies, instead of trainlib's compiled AdamW
+    "8b8-compile-sac-fusedadamw": (L8B, COMPILE_ALL + SAC + FUSED_ADAMW),
+    "1b16-compile-none-fusedadamw": (L1B, COMPILE_ALL + NO_AC + FUSED_ADAMW),
+    # bf16 AdamW moments (optimizer.state_dtype; off by default)
+    "8b8-compile-sac-bf16state": (L8B, COMPILE_ALL + SAC + BF16_STATE),
+    "8b8-compile-none-bf16state": (L8B, COMPILE_ALL + NO_AC + BF16_STATE),
 }
 TINY = {"flavor": "debug", "n_layers": None, "seq": 64, "batch": 2}  # --cpu-smoke shape, presets included
 
@@ -103,7 +113,7 @@ def run_row(name: str, shape: dict, overrides: list[str], a: argparse.Namespace,
             f"--job.dump_folder={folder}", f"--job.device={a.device}", "--parallelism.dp_shard=1",
             *BASE, *overrides, *a.smoke_overrides]
     args = (["--recipe", a.recipe] if a.recipe else []) + args + a.overrides
-    row = {"config": name} | plan_row(args, a.gpu)
+    row = {"config": name} | (NO_PLAN if a.no_plan else plan_row(args, a.gpu))
     env = dict(os.environ, PYTHONPATH=str(REPO))
     try:
         proc = subprocess.run(train_command(1, args), cwd=REPO, env=env, capture_output=True, text=True,
@@ -129,6 +139,9 @@ def run_row(name: str, shape: dict, overrides: list[str], a: argparse.Namespace,
     }
 
 
+NO_PLAN = {"plan_step_s": None, "plan_tokens_per_second": None, "plan_peak_gib": None, "plan_allocated_gib": None}
+
+
 def plan_row(args: list[str], gpu: str) -> dict:
     """The planner's step time and peak memory for the job `args` describe, on one `gpu`."""
     from trainlib.plan import GiB, make_plan
@@ -138,8 +151,7 @@ def plan_row(args: list[str], gpu: str) -> dict:
     try:
         p = make_plan(recipe, 1, gpu, overrides)
     except ValueError as e:  # the job's own rejection; its run fails with the same message
-        return {"plan_step_s": None, "plan_tokens_per_second": None, "plan_peak_gib": None,
-                "plan_allocated_gib": None, "plan_error": str(e)}
+        return NO_PLAN | {"plan_error": str(e)}
     worst = max(p.stages, key=lambda st: st.total_bytes)
     # plan_peak_gib includes the planner's allocator overhead (reserved memory); the run's peak_memory_gib is
     # torch's max_memory_allocated, which plan_allocated_gib predicts.
@@ -206,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--gpu", default=None, help="the planner's GPU for the prediction columns (default: detected)")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per configuration")
     p.add_argument("--out", default=None, help="also write the rows as JSON here")
+    p.add_argument("--no-plan", action="store_true",
+                   help="leave out the planner's columns (they need no GPU: compute them later on any machine)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="tiny CPU run: debug flavor, 4 steps; grid: bf16 and float8 tensorwise, no compile")
     if p.help_requested(argv):

@@ -4,14 +4,14 @@
 #
 #   bash scripts/gpu_check.sh OUT_DIR BUDGET_SECONDS [PRESET ...]
 #
-# TESTS=all (default) runs tests/gpu/test_gpu_training.py and
-# tests/gpu/test_float8_ac_compile.py side by side (both wait on compiles more
-# than on the GPU; their timings are not read), TESTS=float8 or TESTS=training
-# one of them, TESTS=none neither; TEST_SECONDS bounds them (default: half the
+# TESTS=all (default) runs tests/gpu/test_gpu_training.py,
+# tests/gpu/test_float8_ac_compile.py and tests/gpu/test_speed_paths.py side by
+# side (they wait on compiles more than on the GPU; their timings are not
+# read), TESTS=float8, TESTS=training or TESTS=speed one of them, TESTS=none none; TEST_SECONDS bounds them (default: half the
 # budget when presets follow, all of it otherwise). The benchmark runs alone afterwards, one
 # preset at a time, each as its own CLI run; its JSON (OUT_DIR/bench.json) is
 # rewritten after every row, so a budget cut short keeps the rows it finished.
-# Logs: OUT_DIR/gpu_training.log, OUT_DIR/float8.log, OUT_DIR/bench.txt.
+# Logs: OUT_DIR/gpu_training.log, OUT_DIR/float8.log, OUT_DIR/speed.log, OUT_DIR/bench.txt.
 # BENCH_ARGS replaces the benchmark's "--device cuda --steps 30 --warmup 14"
 # (BENCH_ARGS=--cpu-smoke rehearses the script on a CPU machine). Exit status:
 # 1 if a test run failed (or ran out of time), 0 otherwise.
@@ -31,8 +31,8 @@ py=${PYTHON:-python3}
 
 tests=${TESTS:-all}
 case $tests in
-    all|float8|training|none) ;;
-    *) echo "TESTS must be all, float8, training or none, not '$tests'" >&2; exit 2 ;;
+    all|float8|training|speed|none) ;;
+    *) echo "TESTS must be all, float8, training, speed or none, not '$tests'" >&2; exit 2 ;;
 esac
 # Tests get TEST_SECONDS, by default half the budget when presets follow and all of it otherwise.
 cap=${TEST_SECONDS:-$(( $# > 0 ? budget / 2 : budget - 10 ))}
@@ -47,9 +47,14 @@ if [ "$tests" = all ] || [ "$tests" = float8 ]; then
         >"$out/float8.log" 2>&1 &
     pids+=($!)
 fi
+if [ "$tests" = all ] || [ "$tests" = speed ]; then
+    timeout "$cap" "$py" -m pytest -q -m gpu -rA -p no:cacheprovider tests/gpu/test_speed_paths.py \
+        >"$out/speed.log" 2>&1 &
+    pids+=($!)
+fi
 status=0
 for pid in "${pids[@]}"; do wait "$pid" || status=1; done
-for log in "$out/gpu_training.log" "$out/float8.log"; do
+for log in "$out/gpu_training.log" "$out/float8.log" "$out/speed.log"; do
     [ -f "$log" ] || continue
     echo "== $log"
     grep -E "^(PASSED|FAILED|XFAIL|XPASS|ERROR)|passed|failed|skipped" "$log" | tail -40

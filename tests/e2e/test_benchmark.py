@@ -69,7 +69,7 @@ def test_gpu_check_input_errors_failed_tests_and_a_spent_budget(tmp_path):
     proc = _gpu_check(tmp_path, str(tmp_path / "a"), "9m")
     assert proc.returncode == 2 and "BUDGET_SECONDS must be a whole number of seconds, not '9m'" in proc.stderr
     proc = _gpu_check(tmp_path, str(tmp_path / "a"), "30", TESTS="gpu")
-    assert proc.returncode == 2 and "TESTS must be all, float8, training or none, not 'gpu'" in proc.stderr
+    assert proc.returncode == 2 and "TESTS must be all, float8, training, speed or none, not 'gpu'" in proc.stderr
     # A test run that fails (here a Python that exits 1) fails the script.
     proc = _gpu_check(tmp_path, str(tmp_path / "b"), "30", TESTS="float8", PYTHON="false")
     assert proc.returncode == 1 and (tmp_path / "b" / "float8.log").exists(), proc.stdout + proc.stderr
