@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from trainlib.errors import ConfigError
-from trainlib.float8 import check_float8_hardware, convert_float8, round_like_eager_under_compile
+from trainlib.float8 import check_float8_hardware, convert_float8, filter_patterns, round_like_eager_under_compile
 from trainlib.loss import chunked_cross_entropy_sum, cross_entropy_sum, resolve_chunk_tokens
 from trainlib.models import count_params
 from trainlib.models.registry import get_model_spec, model_args
@@ -61,7 +61,7 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelPar
     autocast = dims.autocast_dtype(t.param_dtype, t.mixed_precision_impl, cfg.parallelism.fsdp_cpu_offload)
     param_dtype = torch.float32 if autocast else t.param_dtype  # under autocast the weights stay fp32
     check_float8_hardware(cfg.float8, device)
-    convert_float8(model, cfg.float8, fsdp=dims.uses_fsdp(param_dtype))
+    convert_float8(model, cfg.float8, fsdp=dims.uses_fsdp(param_dtype), output_module=spec.output_module)
     round_like_eager_under_compile(cfg.float8, cfg.compile.enable)
 
     def parallelize(m: nn.Module) -> nn.Module:
@@ -70,21 +70,23 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelPar
 
     loss_fn = maybe_compile_loss(cross_entropy_sum, cfg.compile)
     if cfg.loss.chunked:  # the loss applies the output projection's weight, chunk by chunk
-        if type(model.output) is not nn.Linear:
+        output = getattr(model, spec.output_module)
+        if type(output) is not nn.Linear:
             raise ConfigError(
                 f"loss.chunked applies the output projection's weight in bf16/fp32 matmuls, but the output layer is "
-                f"a {type(model.output).__name__} (float8.filter_fqns={cfg.float8.filter_fqns} does not exclude "
-                f"'output'); add 'output' to float8.filter_fqns or set loss.chunked=false")
+                f"a {type(output).__name__} (float8.filter_fqns={filter_patterns(cfg.float8, spec.output_module)} does "
+                f"not exclude "
+                f"'{spec.output_module}'); add '{spec.output_module}' to float8.filter_fqns or set loss.chunked=false")
         model.output_in_forward = False
         chunk_tokens = loss_chunk_tokens(cfg, args.vocab_size, dims.tp, device.type)
-        loss_fn = partial(chunked_cross_entropy_sum, output=model.output, chunk_tokens=chunk_tokens,
+        loss_fn = partial(chunked_cross_entropy_sum, output=output, chunk_tokens=chunk_tokens,
                           ce=loss_fn, loss_parallel=cfg.parallelism.tp_loss_parallel)
     else:
         chunk_tokens = None
     # Autocast is a one-rank path: no pipeline split follows.
     copies = keep_low_precision_copies(model, autocast) if autocast and t.mixed_precision_weight_copy else None
     if dims.pp_enabled:  # this rank's stages, each parallelized like a whole model
-        pipeline = build_pipeline(model, dims, cfg.parallelism, device, parallelize, loss_fn)
+        pipeline = build_pipeline(model, spec.stage_roots, dims, cfg.parallelism, device, parallelize, loss_fn)
         return ModelParts(pipeline.model_parts, pipeline, args, n_params, loss_fn, autocast, chunk_tokens)
     return ModelParts([parallelize(model)], None, args, n_params, loss_fn, autocast, chunk_tokens, copies)
 

@@ -1,18 +1,21 @@
 """Convert checkpoints between Hugging Face safetensors and trainlib's DCP format.
 
     python -m trainlib.convert hf-to-dcp HF_DIR OUT_DIR
-    python -m trainlib.convert dcp-to-hf CHECKPOINT_DIR OUT_DIR [--flavor F] [--dtype bfloat16] [--max-shard-gb 5]
+    python -m trainlib.convert dcp-to-hf CHECKPOINT_DIR OUT_DIR [--model NAME] [--flavor F] [--dtype bfloat16]
+        [--max-shard-gb 5]
 
-hf-to-dcp reads config.json and every *.safetensors file (sharded or not) and
-writes a DCP checkpoint holding the model (start training from it with
+hf-to-dcp reads config.json (its `architectures` pick the family) and every
+*.safetensors file (sharded or not) and writes a DCP checkpoint holding the
+model and its family and shape (start training from it with
 `checkpoint.initial_load_path=OUT_DIR`). dcp-to-hf reads a (possibly sharded)
 trainlib checkpoint in this one process, without GPUs or a process group, and
 writes `config.json` and the weights in safetensors files of at most
 `--max-shard-gb` (one `model.safetensors`, or numbered files and their index,
 as transformers writes them), reading one file's worth of weights at a time;
-`transformers.LlamaForCausalLM.from_pretrained` loads the folder. The model
-shape comes from `--flavor`, else from the checkpoint itself, else from the
-run's saved config.toml two folders up. The conversions live in `trainlib.checkpoint.convert`.
+the family's transformers class loads the folder with `from_pretrained`. The
+family and shape come from the checkpoint itself (it records them), else from
+`--model` and `--flavor`, else from the run's saved config.toml two folders
+up. The conversions live in `trainlib.checkpoint.convert`.
 """
 
 from __future__ import annotations
@@ -24,12 +27,12 @@ from pathlib import Path
 import torch
 
 from trainlib.checkpoint.convert import dcp_to_hf, hf_to_dcp, saved_model_args
-from trainlib.checkpoint.hf import HF_SHARD_BYTES
+from trainlib.checkpoint.hf import HF_SHARD_BYTES, spec_of_args
 from trainlib.errors import ConfigError
-from trainlib.models.llama3.model import ModelArgs, get_model_args
+from trainlib.models.registry import MODELS, get_model_spec
 
 
-def _args_from_run_config(ckpt_dir: Path) -> ModelArgs | None:
+def _args_from_run_config(ckpt_dir: Path):
     cfg_path = ckpt_dir.resolve().parent.parent / "config.toml"
     if not cfg_path.is_file():
         return None
@@ -48,6 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     b = sub.add_parser("dcp-to-hf", help="DCP checkpoint (a step-N folder) -> HF safetensors + config.json")
     b.add_argument("checkpoint_dir")
     b.add_argument("out_dir")
+    b.add_argument("--model", default=None, choices=sorted(MODELS),
+                   help="model family (model.name), when the checkpoint does not record it")
     b.add_argument("--flavor", default=None, help="model flavor, when the checkpoint does not record its shape")
     b.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"], help="cast on export")
     b.add_argument("--max-shard-gb", type=float, default=HF_SHARD_BYTES / 10**9,
@@ -56,16 +61,22 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if ns.cmd == "hf-to-dcp":
             args = hf_to_dcp(ns.hf_dir, ns.out_dir)
-            print(f"wrote DCP checkpoint {ns.out_dir} (dim={args.dim}, n_layers={args.n_layers})")
+            print(f"wrote DCP checkpoint {ns.out_dir} ({spec_of_args(args).name}, n_layers={args.n_layers}, "
+                  f"vocab_size={args.vocab_size})")
             return 0
         ckpt = Path(ns.checkpoint_dir)
+        saved = saved_model_args(ckpt)
         if ns.flavor is not None:
-            args = get_model_args(ns.flavor)
-        elif saved_model_args(ckpt) is None:
+            if ns.model is None and saved is None:
+                raise ConfigError(f"{ckpt} does not record its model family: pass --model "
+                                  f"({', '.join(sorted(MODELS))}) with --flavor")
+            name = ns.model or spec_of_args(saved).name
+            args = get_model_spec(name).get_args(ns.flavor)
+        elif saved is None:
             args = _args_from_run_config(ckpt)
             if args is None:
                 raise ConfigError(f"{ckpt} does not record the model shape and no run config.toml is two folders "
-                                  "up: pass --flavor")
+                                  "up: pass --model and --flavor")
         else:
             args = None  # the checkpoint's own
         if not ns.max_shard_gb > 0:

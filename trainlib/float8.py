@@ -52,9 +52,10 @@ class Float8Config:
     enable: bool = False
     recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
     # fnmatch patterns over module names (e.g. "output", "layers.0.*"); matching
-    # linears stay in high precision. The output projection is skipped by
-    # default: its error goes straight into the logits and it is one matmul.
-    filter_fqns: list[str] = field(default_factory=lambda: ["output"])
+    # linears stay in high precision. Unset: the family's output projection
+    # (ModelSpec.output_module), whose error goes straight into the logits and
+    # which is one matmul; [] converts it too.
+    filter_fqns: list[str] | None = None
     # Emulate float8 matmuls in high precision (casts still round to float8):
     # for testing on hardware without float8 matmuls.
     emulate: bool = False
@@ -88,9 +89,11 @@ def linear_size(in_features: int, out_features: int) -> float:
     return 2 * in_features * out_features / (in_features + out_features)
 
 
-def kept_reason(module: nn.Module, fqn: str, cfg: Float8Config) -> str | None:
-    """Why the linear `module` named `fqn` stays in high precision, or None if it converts."""
-    if any(fnmatch.fnmatchcase(fqn, p) for p in cfg.filter_fqns):
+def kept_reason(module: nn.Module, fqn: str, cfg: Float8Config, output_module: str) -> str | None:
+    """Why the linear `module` named `fqn` stays in high precision, or None if
+    it converts; `output_module` is the family's output projection (filtered
+    when filter_fqns is unset)."""
+    if any(fnmatch.fnmatchcase(fqn, p) for p in filter_patterns(cfg, output_module)):
         return "filter_fqns"
     # float8 matmul kernels need both dims to be multiples of 16.
     if module.in_features % 16 or module.out_features % 16:
@@ -99,6 +102,11 @@ def kept_reason(module: nn.Module, fqn: str, cfg: Float8Config) -> str | None:
     if linear_size(module.in_features, module.out_features) < bound:
         return f"size < min_size {bound}"
     return None
+
+
+def filter_patterns(cfg: Float8Config, output_module: str) -> list[str]:
+    """float8.filter_fqns, or when unset the family's output projection."""
+    return [output_module] if cfg.filter_fqns is None else cfg.filter_fqns
 
 
 def round_like_eager_under_compile(cfg: Float8Config, compiled: bool) -> bool:
@@ -153,10 +161,11 @@ def check_float8_hardware(cfg: Float8Config, device: torch.device) -> None:
         )
 
 
-def convert_float8(model: nn.Module, cfg: Float8Config, *, fsdp: bool) -> list[str]:
+def convert_float8(model: nn.Module, cfg: Float8Config, *, fsdp: bool, output_module: str) -> list[str]:
     """Swap eligible nn.Linear modules for torchao Float8Linear in place.
 
     `fsdp`: whether FSDP will shard this model (float8 all-gather needs it).
+    `output_module`: the family's output projection (ModelSpec.output_module).
     Returns the names of the converted linears. Parameter names do not change.
     """
     if not cfg.enable:
@@ -174,7 +183,7 @@ def convert_float8(model: nn.Module, cfg: Float8Config, *, fsdp: bool) -> list[s
     kept: Counter[str] = Counter()  # "in->out (reason)" of the others
 
     def convert(module: nn.Linear, fqn: str) -> bool:  # torchao asks about nn.Linear modules only
-        reason = kept_reason(module, fqn, cfg)
+        reason = kept_reason(module, fqn, cfg, output_module)
         shape = f"{module.in_features}->{module.out_features}"
         if reason is None:
             converted.append(fqn)

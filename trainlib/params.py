@@ -18,6 +18,8 @@ from __future__ import annotations
 import zlib
 
 import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
 
 # Wrapper modules insert these segments into parameter names; the checkpoint
 # key (and so the seed) must not depend on whether AC/compile/FSDP wrapped it.
@@ -130,3 +132,41 @@ def init_param_(param: torch.Tensor, spec: tuple[str, float], seed: int, name: s
     drawn on `device` (default: the parameter's own; a CPU-offloaded
     parameter draws on the compute device, so its values are that device's)."""
     copy_full_(param, generate_init(spec, param.shape, seed, name, device or param.device, param.dtype))
+
+
+# ---- parameters held by several modules (tied embeddings) ----------------------------------------------------
+
+
+def shared_parameters(model: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Each parameter held by more than one module, as (module, attribute) pairs."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for module in model.modules():
+        for name, p in module.named_parameters(recurse=False):
+            holders.setdefault(id(p), []).append((module, name))
+    return [h for h in holders.values() if len(h) > 1]
+
+
+def retie(model: nn.Module, tied: list[list[tuple[nn.Module, str]]]) -> None:
+    """Share again, by every holder in `tied` (from `shared_parameters`), the
+    one tensor its first holder now holds, where an operation made one per
+    holder: TP's `parallelize_module` (tied embeddings: the lookup and the
+    output projection both shard the [vocab, dim] matrix on the vocabulary),
+    and `nn.Module.to_empty` from the meta device (torch 2.13 makes a new
+    parameter per holder). Holders sharded two ways are an error."""
+    for holders in tied:
+        (first, name), rest = holders[0], holders[1:]
+        keep = getattr(first, name)
+        for module, attr in rest:
+            other = getattr(module, attr)
+            if other is keep:
+                continue
+            if isinstance(keep, DTensor) != isinstance(other, DTensor) or (
+                    isinstance(keep, DTensor) and keep.placements != other.placements):
+                raise ValueError(f"a parameter shared by {type(first).__name__}.{name} and {type(module).__name__}."
+                                 f"{attr} was sharded two ways ({placements_of(keep)} and {placements_of(other)}); "
+                                 f"give both modules TP styles that shard it alike")
+            setattr(module, attr, keep)
+
+
+def placements_of(t: torch.Tensor) -> str:
+    return str(list(t.placements)) if isinstance(t, DTensor) else "not sharded"

@@ -112,7 +112,8 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, {
         "model": ModelState(built.parts), "optimizer": OptimizerState(built.parts, optimizer),
         "scheduler": scheduler, "dataloader": loader, "guard": guard,
-        "trainer": TrainState(tokens_per_step=t.global_batch_size * t.seq_len, model_args=built.model_args)})
+        "trainer": TrainState(tokens_per_step=t.global_batch_size * t.seq_len, model_args=built.model_args,
+                              model_name=cfg.model.name)})
     start_step = checkpointer.load()
     par = cfg.parallelism
     validator = build_validator(cfg.validation, tokenizer, t.seq_len, local_bs, grad_accum, dims, t.seed, built.parts,
@@ -259,9 +260,10 @@ def train(cfg: JobConfig) -> list[dict]:
         destroy_distributed()
 
 
-DESCRIPTION = """Trains a Llama 3 model as the recipe says. Any recipe key can be overridden as
---section.key=value or --section.key value. Without --recipe the built-in
-defaults run (the debug model on the shipped corpus)."""
+DESCRIPTION = """Trains a model (model.name: its family, model.flavor: its shape) as the recipe
+says. Any recipe key can be overridden as --section.key=value or --section.key
+value. Without --recipe the built-in defaults run (the debug model on the
+shipped corpus)."""
 
 
 def main(argv: list[str] | None = None) -> int:

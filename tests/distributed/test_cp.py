@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from tests.helpers import RECIPES, BytesSent, build_debug, spawn
+from trainlib.models.registry import get_model_spec
 from trainlib.parallel.cp import shard_sequence
 
 
@@ -175,7 +176,8 @@ def _cp_bytes_are_planned(rank, world):
             built.loss_fn(model(mb["input"]), mb["labels"]).backward()
         blocks = built.model_args.n_layers
         assert sent.counts == {"all_gather": blocks + recomputed, "reduce_scatter": blocks}, (mode, sent.counts)
-        shape = SimpleNamespace(args=built.model_args, tp=1, cp=2, elem=4, mb_tokens=mb["input"].numel())
+        block = get_model_spec(cfg.model.name).block_shapes(built.model_args)[0]
+        shape = SimpleNamespace(block=block, tp=1, cp=2, elem=4, mb_tokens=mb["input"].numel())
         assert sent.bytes == cp_bytes(shape, cfg.activation_checkpoint, blocks), (mode, sent.bytes)
 
 

@@ -21,7 +21,7 @@ def _fsdp_float8_all_gather(rank, world):
     with torch.device("meta"):
         model = Transformer(get_model_args("debug"), rope_len=64)
     cfg = Float8Config(enable=True, recipe="tensorwise", min_size=0)
-    convert_float8(model, cfg, fsdp=True)
+    convert_float8(model, cfg, fsdp=True, output_module="output")
     apply_fsdp(model, dims.fsdp_mesh())
     init_model_weights(model, 0, "cpu")
     wq = model.layers["0"].attention.wq

@@ -8,7 +8,7 @@ import torch
 
 from tests.helpers import BytesSent, build_debug, gloo_schedules, spawn
 from trainlib.errors import ConfigError
-from trainlib.models.llama3 import Transformer, get_model_args, parallelize_llama
+from trainlib.models.llama3 import SPEC, Transformer, get_model_args, parallelize_llama
 from trainlib.parallel import ParallelDims
 from trainlib.parallel import pp as pp_lib
 from trainlib.parallel.ac import ActivationCheckpointConfig
@@ -39,7 +39,8 @@ def _check_tp_bytes_under_ac(world):
             (model,) = built.parts
             with BytesSent(2, keep=lambda t: t.dim() == 3) as sent, loss_context(True):  # activations, not weights
                 built.loss_fn(model(tokens[:, :-1]), tokens[:, 1:]).backward()
-            shape = SimpleNamespace(args=built.model_args, tp=2, sp=sp, elem=4, mb_tokens=tokens[:, 1:].numel(),
+            shape = SimpleNamespace(dim=built.model_args.dim, vocab_size=built.model_args.vocab_size, tp=2, sp=sp,
+                                    elem=4, mb_tokens=tokens[:, 1:].numel(),
                                     loss_parallel=True)
             planned = tp_bytes(shape, cfg.activation_checkpoint, built.model_args.n_layers, True, True)
             assert sent.bytes == planned, (sp, mode, sent.counts, sent.bytes, planned)
@@ -86,7 +87,7 @@ def _check_init_one(world, layout):
     with torch.device("meta"):
         model = Transformer(args, rope_len=64)
     if dims.pp_enabled:
-        pipeline = pp_lib.build_pipeline(model, dims, par, torch.device("cpu"),
+        pipeline = pp_lib.build_pipeline(model, SPEC.stage_roots, dims, par, torch.device("cpu"),
                                          lambda m: parallelize_llama(m, dims, par))
         parts = pipeline.model_parts
         # The schedule decides the bubble and the activation memory, not the loss: parity cannot see it.
@@ -139,7 +140,8 @@ def _check_tp_layouts(model, ref, par):
     assert backward.counts == ({"reduce_scatter": half_blocks + 1, "all_gather": half_blocks + 1} if sp
                                else {"all_reduce": half_blocks + 1}), backward.counts
     # The planner's TP bytes for this micro-batch are what the ranks sent.
-    shape = SimpleNamespace(args=ref.args, tp=2, sp=sp, elem=4, mb_tokens=tokens.numel(), loss_parallel=lp)
+    shape = SimpleNamespace(dim=ref.args.dim, vocab_size=ref.args.vocab_size, tp=2, sp=sp, elem=4,
+                            mb_tokens=tokens.numel(), loss_parallel=lp)
     planned = tp_bytes(shape, ActivationCheckpointConfig(mode="none"), len(model.layers), has_embedding=True,
                        has_output=True)
     assert forward.bytes + backward.bytes == planned, (forward.bytes, backward.bytes, planned)

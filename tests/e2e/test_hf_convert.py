@@ -11,9 +11,8 @@ from tests.helpers import REPO, run_cli
 
 transformers = pytest.importorskip("transformers")
 
-from trainlib.checkpoint.hf import args_from_hf_config  # noqa: E402
+from trainlib.checkpoint.hf import args_from_hf_config, spec_of_args  # noqa: E402
 from trainlib.checkpoint.convert import dcp_to_hf, hf_to_dcp, read_dcp_model  # noqa: E402
-from trainlib.models.llama3 import Transformer  # noqa: E402
 
 # The trainlib `debug` flavor's shape, so a training run can start from it.
 DEBUG_SHAPE = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
@@ -27,10 +26,22 @@ SCALED_TIED = dict(hidden_size=64, intermediate_size=96, num_hidden_layers=2, nu
                    rope_scaling={"rope_type": "llama3", "factor": 32.0, "low_freq_factor": 1.0,
                                  "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
 
-def _hf_model(shape, seed=0):
+# Qwen3: head_dim independent of hidden_size / heads, QK-norm, rope theta 1e6; the debug_qwen3 recipe's shape,
+# and a tied one (as Qwen3 0.6B-4B).
+QWEN3_DEBUG = dict(hidden_size=64, intermediate_size=192, num_hidden_layers=4, num_attention_heads=4,
+                   num_key_value_heads=2, head_dim=32, vocab_size=512, rope_theta=1e6, max_position_embeddings=4096,
+                   rms_norm_eps=1e-6, tie_word_embeddings=False)
+QWEN3_TIED = {**QWEN3_DEBUG, "num_hidden_layers": 2, "vocab_size": 300, "tie_word_embeddings": True}
+HF_CLASSES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
+              "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)}
+
+
+def _hf_model(shape, seed=0, family="llama"):
     torch.manual_seed(seed)
-    cfg = transformers.LlamaConfig(**shape, attention_bias=False, mlp_bias=False)
-    model = transformers.LlamaForCausalLM(cfg).float().eval()
+    config_cls, model_cls = HF_CLASSES[family]
+    extra = {"mlp_bias": False} if family == "llama" else {}
+    cfg = config_cls(**shape, attention_bias=False, **extra)
+    model = model_cls(cfg).float().eval()
     with torch.no_grad():  # HF inits norms to 1; random gains catch a swapped norm
         for name, p in model.named_parameters():
             if "norm" in name:
@@ -39,7 +50,7 @@ def _hf_model(shape, seed=0):
 
 
 def _trainlib_logits(args, sd, tokens):
-    model = Transformer(args, rope_len=tokens.shape[1])
+    model = spec_of_args(args).model_cls(args, rope_len=tokens.shape[1])
     model.init_buffers()
     missing, unexpected = model.load_state_dict(sd, strict=False)
     assert not missing and not unexpected, (missing, unexpected)
@@ -53,9 +64,11 @@ def _convert_cli(*args):
     assert proc.returncode == 0, proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("shape,shard", [(SCALED_TIED, None), (DEBUG_SHAPE, "40KB")], ids=["scaled_tied", "sharded"])
-def test_import_export_roundtrip_logits(tmp_path, shape, shard):
-    hf = _hf_model(shape)
+@pytest.mark.parametrize("family,shape,shard", [("llama", SCALED_TIED, None), ("llama", DEBUG_SHAPE, "40KB"),
+                                                ("qwen3", QWEN3_TIED, None), ("qwen3", QWEN3_DEBUG, "40KB")],
+                         ids=["scaled_tied", "sharded", "qwen3_tied", "qwen3_sharded"])
+def test_import_export_roundtrip_logits(tmp_path, family, shape, shard):
+    hf = _hf_model(shape, family=family)
     hf_dir, dcp_dir, out_dir = tmp_path / "hf", tmp_path / "dcp", tmp_path / "export"
     hf.save_pretrained(hf_dir, **({"max_shard_size": shard} if shard else {}))
     if shard:
@@ -77,14 +90,19 @@ def test_import_export_roundtrip_logits(tmp_path, shape, shard):
         assert len(list(out_dir.glob("model-*-of-*.safetensors"))) > 1
     else:
         dcp_to_hf(dcp_dir, out_dir)
-    back = transformers.LlamaForCausalLM.from_pretrained(out_dir, dtype=torch.float32).eval()
+    back = HF_CLASSES[family][1].from_pretrained(out_dir, dtype=torch.float32).eval()
     with torch.no_grad():
         assert (back(tokens).logits - ref).abs().max() <= 1e-5
+    assert type(back.config).__name__ == HF_CLASSES[family][0].__name__
 
 
-def test_train_from_hf_and_export_hf_under_fsdp2(tmp_path):
-    """Recipe keys: start from an HF folder, train sharded (FSDP2), export HF at
-    the end from the sharded checkpoint; the first loss is the HF model's loss."""
+@pytest.mark.parametrize("family,recipe,shape,layout", [
+    ("llama", "debug", DEBUG_SHAPE, ["--parallelism.dp_shard=2"]),
+    ("qwen3", "debug_qwen3", QWEN3_DEBUG, ["--parallelism.dp_shard=1", "--parallelism.tp=2"]),
+], ids=["llama_fsdp2", "qwen3_tp2"])
+def test_train_from_hf_and_export_hf(tmp_path, family, recipe, shape, layout):
+    """Recipe keys: start from an HF folder, train sharded (FSDP2, TP2), export
+    HF at the end from the sharded checkpoint; the first loss is the HF model's loss."""
     from trainlib.data import (
         DataConfig,
         TokenizerConfig,
@@ -92,13 +110,13 @@ def test_train_from_hf_and_export_hf_under_fsdp2(tmp_path):
         build_tokenizer,
     )
 
-    hf = _hf_model(DEBUG_SHAPE, seed=3)
+    hf = _hf_model(shape, seed=3, family=family)
     hf.save_pretrained(tmp_path / "hf")
     run = tmp_path / "run"
-    proc = run_cli(["--recipe", str(REPO / "recipes/debug.toml"), "--training.steps=2", "--metrics.log_freq=1",
+    proc = run_cli(["--recipe", recipe, "--training.steps=2", "--metrics.log_freq=1",
                     "--training.seq_len=64", "--training.global_batch_size=8", f"--job.dump_folder={run}",
                     "--checkpoint.enable=true", f"--checkpoint.initial_load_path={tmp_path / 'hf'}",
-                    "--checkpoint.export_hf=true", "--parallelism.dp_shard=2"], nproc=2)
+                    "--checkpoint.export_hf=true", *layout], nproc=2)
     assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
 
     batch = next(build_dataloader(DataConfig(), build_tokenizer(TokenizerConfig(kind="byte")), 64, 8))
@@ -109,7 +127,7 @@ def test_train_from_hf_and_export_hf_under_fsdp2(tmp_path):
     assert abs(first - hf_loss) <= 1e-5 * hf_loss
 
     # The export equals the final (sharded) checkpoint, read back in one process.
-    exported = transformers.LlamaForCausalLM.from_pretrained(run / "hf", dtype=torch.float32).eval()
+    exported = HF_CLASSES[family][1].from_pretrained(run / "hf", dtype=torch.float32).eval()
     sd = read_dcp_model(run / "checkpoint" / "step-2")
     args = args_from_hf_config(json.loads((run / "hf" / "config.json").read_text()))
     with torch.no_grad():

@@ -54,7 +54,7 @@ def grads(device, recipe: str | None, ac_mode: str, policy: str, compiled: bool,
     model.init_weights(seed=0)
     cfg = Float8Config(enable=recipe is not None, recipe=recipe or "tensorwise", min_size=0)
     if recipe:
-        convert_float8(model, cfg, fsdp=False)
+        convert_float8(model, cfg, fsdp=False, output_module="output")
     apply_ac(model, ac_mode, selective_op_policy=policy)
     if compiled:
         apply_compile(model, backend=backend)

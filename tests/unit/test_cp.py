@@ -54,7 +54,7 @@ def test_apply_cp_refuses_a_model_without_attention():
         def get_group(self):
             return None
 
-    with pytest.raises(ValueError, match=r"apply_cp found no attention module \(with `sdpa` and `wq`\)"):
+    with pytest.raises(ValueError, match=r"apply_cp found no attention module \(a subclass of trainlib.models.layers.Attention\)"):
         apply_cp(torch.nn.Sequential(torch.nn.Linear(4, 4)), TwoRankMesh())
 
 

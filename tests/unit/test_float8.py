@@ -26,7 +26,7 @@ def test_convert_skips_output_and_patterns_and_odd_dims():
     args = get_model_args("debug", vocab_size=500)  # 500 % 16 != 0
     model = Transformer(args, rope_len=64)
     cfg = Float8Config(enable=True, filter_fqns=["layers.1.*"], min_size=0)
-    converted = convert_float8(model, cfg, fsdp=False)
+    converted = convert_float8(model, cfg, fsdp=False, output_module="output")
     types = _converted_types(model)
     assert types["output"] == "Linear"  # dims not multiples of 16 (and not in the patterns)
     assert all(t == "Linear" for n, t in types.items() if n.startswith("layers.1."))
@@ -34,18 +34,18 @@ def test_convert_skips_output_and_patterns_and_odd_dims():
     assert len(converted) == 7 * (args.n_layers - 1)
 
     model = Transformer(get_model_args("debug"), rope_len=64)
-    convert_float8(model, Float8Config(enable=True, min_size=0), fsdp=False)
+    convert_float8(model, Float8Config(enable=True, min_size=0), fsdp=False, output_module="output")
     assert _converted_types(model)["output"] == "Linear"  # skipped by the default pattern
 
     model = Transformer(get_model_args("debug"), rope_len=64)  # float8 off: nothing converts, whatever the bound
-    assert convert_float8(model, Float8Config(enable=False, min_size=0), fsdp=False) == []
+    assert convert_float8(model, Float8Config(enable=False, min_size=0), fsdp=False, output_module="output") == []
     assert set(_converted_types(model).values()) == {"Linear"}
 
 
 def test_convert_that_converts_nothing_is_an_error():
     model = Transformer(get_model_args("debug"), rope_len=64)
     with pytest.raises(ValueError, match="no linear layer was converted"):
-        convert_float8(model, Float8Config(enable=True, filter_fqns=["*"]), fsdp=False)
+        convert_float8(model, Float8Config(enable=True, filter_fqns=["*"]), fsdp=False, output_module="output")
 
 
 def test_gpu_without_float8_is_refused_clearly(monkeypatch):
@@ -97,7 +97,7 @@ def test_rowwise_on_a_cpu_torch_without_row_scaled_matmuls_is_refused(monkeypatc
 
 def test_cpu_rowwise_flag_tells_the_truth_about_this_torch():
     model = torch.nn.Sequential(torch.nn.Linear(32, 32))
-    convert_float8(model, Float8Config(enable=True, recipe="rowwise", min_size=0), fsdp=False)
+    convert_float8(model, Float8Config(enable=True, recipe="rowwise", min_size=0), fsdp=False, output_module="output")
     x = torch.randn(16, 32)
     if float8_lib.CPU_ROWWISE_MATMULS:
         assert torch.isfinite(model(x)).all()
@@ -128,7 +128,7 @@ def test_converted_linears_carry_the_recipe(recipe, emulate, all_gather):
 
     model = Transformer(get_model_args("debug"), rope_len=64)
     cfg = Float8Config(enable=True, recipe=recipe, emulate=emulate, min_size=0, fsdp_float8_all_gather=all_gather)
-    converted = convert_float8(model, cfg, fsdp=True)
+    converted = convert_float8(model, cfg, fsdp=True, output_module="output")
     fp8 = {n: m for n, m in model.named_modules() if isinstance(m, Float8Linear)}
     assert sorted(fp8) == sorted(converted) and len(fp8) == 7 * get_model_args("debug").n_layers
     forward, grad_weight, grad_dtype = RECIPE_SCALING[recipe]
@@ -153,7 +153,7 @@ def _shapes_converted(flavor, recipe, min_size=None, n_layers=2):
 
     with torch.device("meta"):
         model = Transformer(get_model_args(flavor, n_layers=n_layers), rope_len=64)
-    convert_float8(model, Float8Config(enable=True, recipe=recipe, min_size=min_size), fsdp=False)
+    convert_float8(model, Float8Config(enable=True, recipe=recipe, min_size=min_size), fsdp=False, output_module="output")
     return Counter(n.split(".")[-1] for n, m in model.named_modules() if isinstance(m, Float8Linear))
 
 

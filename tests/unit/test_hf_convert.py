@@ -31,7 +31,7 @@ def test_dcp_to_hf_takes_the_shape_from_the_run_config_when_the_checkpoint_lacks
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)  # no trainer.model_args
     assert main(["dcp-to-hf", str(ckpt), str(tmp_path / "out")]) == 2
     assert capsys.readouterr().err == (f"trainlib.convert: error: {ckpt} does not record the model shape and no run "
-                                       "config.toml is two folders up: pass --flavor\n")
+                                       "config.toml is two folders up: pass --model and --flavor\n")
     from trainlib.checkpoint.convert import dcp_to_hf
     from trainlib.errors import ConfigError
 
@@ -55,15 +55,22 @@ def test_convert_cli_flavor_dtype_and_shard_size(tmp_path, capsys):
     model.init_weights(seed=0)
     ckpt, out = tmp_path / "step-1", tmp_path / "hf"
     dcp.save({"model": model.state_dict()}, checkpoint_id=str(ckpt), no_dist=True)  # no shape, no run config
-    assert main(["dcp-to-hf", str(ckpt), str(out), "--flavor", "debug", "--max-shard-gb", "0"]) == 2
+    assert main(["dcp-to-hf", str(ckpt), str(out), "--flavor", "debug"]) == 2
+    from trainlib.models.registry import MODELS
+
+    assert capsys.readouterr().err == (f"trainlib.convert: error: {ckpt} does not record its model family: pass "
+                                       f"--model ({', '.join(sorted(MODELS))}) with --flavor\n")
+    assert main(["dcp-to-hf", str(ckpt), str(out), "--model", "llama3", "--flavor", "debug", "--max-shard-gb",
+                 "0"]) == 2
     assert capsys.readouterr().err == "trainlib.convert: error: --max-shard-gb must be > 0, got 0.0\n"
-    assert main(["dcp-to-hf", str(ckpt), str(out), "--flavor", "debug", "--dtype", "bfloat16"]) == 0
+    assert main(["dcp-to-hf", str(ckpt), str(out), "--model", "llama3", "--flavor", "debug", "--dtype",
+                 "bfloat16"]) == 0
     assert capsys.readouterr().out == f"wrote 1 safetensors file(s) and config.json to {out}\n"
     assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 4
     with safe_open(str(out / "model.safetensors"), framework="pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
     assert main(["hf-to-dcp", str(out), str(tmp_path / "dcp")]) == 0
-    assert capsys.readouterr().out == f"wrote DCP checkpoint {tmp_path / 'dcp'} (dim=64, n_layers=4)\n"
+    assert capsys.readouterr().out == f"wrote DCP checkpoint {tmp_path / 'dcp'} (llama3, n_layers=4, vocab_size=512)\n"
 
 
 def _meta_rotary_rows(w: torch.Tensor, n_heads: int) -> torch.Tensor:
@@ -133,7 +140,8 @@ def test_meta_consolidated_pth_loads_into_a_model(tmp_path):
         load_meta_into_model([dst], tmp_path, get_model_args("debug", n_layers=2))
     # The head counts, which the weights alone cannot tell, come from params.json where there is one.
     (tmp_path / "params.json").write_text(json.dumps({"dim": 64, "n_heads": 8, "n_kv_heads": 1}))
-    with pytest.raises(ValueError, match="n_heads=8 n_kv_heads=1 .* but this run builds .*n_heads=4 n_kv_heads=2"):
+    with pytest.raises(ValueError, match="holds a model of n_heads=8 n_kv_heads=1, but this run builds n_heads=4 "
+                                         "n_kv_heads=2: set model.flavor"):
         load_meta_into_model([dst], tmp_path, args)
     (tmp_path / "params.json").unlink()
     dst.init_weights(seed=8)
@@ -158,8 +166,8 @@ def test_weights_of_another_shape_or_format_are_refused_with_the_fix(tmp_path):
     other.init_weights(seed=1)
     load_hf_into_model([other], tmp_path / "hf", args)
     assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), model.state_dict().values(), strict=True))
-    with pytest.raises(ConfigError, match=r"HF checkpoint .* holds a model of dim=64 n_layers=4 .* but this run builds "
-                                          r"dim=64 n_layers=2 .*; set model.flavor / model.n_layers"):
+    with pytest.raises(ConfigError, match=r"HF checkpoint .* holds a model of n_layers=4, but this run builds "
+                                          r"n_layers=2: set model.flavor / model.n_layers"):
         load_hf_into_model([other], tmp_path / "hf", get_model_args("debug", n_layers=2))
 
     assert hf_to_dcp(tmp_path / "hf", tmp_path / "dcp") == saved_model_args(tmp_path / "dcp")
@@ -215,8 +223,8 @@ def test_hf_config_whose_head_dim_is_not_dim_over_heads_is_refused():
     from trainlib.checkpoint.hf import args_from_hf_config
     from trainlib.errors import ConfigError
 
-    cfg = {"hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-           "intermediate_size": 192, "vocab_size": 512}
+    cfg = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+           "num_key_value_heads": 2, "intermediate_size": 192, "vocab_size": 512}
     assert args_from_hf_config({**cfg, "head_dim": 16}).head_dim == 16  # stated, and what dim / heads gives
     with pytest.raises(ConfigError, match="head_dim=32 != hidden_size/num_attention_heads"):
         args_from_hf_config({**cfg, "head_dim": 32})
@@ -240,7 +248,7 @@ def _track_conversions(monkeypatch):
     mapped file), alive_at_read the names still alive at each read."""
     import weakref
 
-    import trainlib.checkpoint.hf as hf_mod
+    import trainlib.models.llama3.state_dict_adapter as hf_mod
 
     convert, given, alive_at_read = hf_mod.hf_weight_to_trainlib, [], []
 
@@ -430,3 +438,28 @@ def test_a_tied_checkpoint_starts_an_untied_model_with_its_output_as_the_embeddi
         load([untied], tmp_path / folder, args)
         assert torch.equal(untied.output.weight, tied.tok_embeddings.weight), folder
         assert torch.equal(untied.tok_embeddings.weight, tied.tok_embeddings.weight), folder
+
+
+def test_an_hf_folder_no_family_reads_or_of_another_family_is_one_line(tmp_path):
+    from safetensors.torch import save_file
+
+    from trainlib.checkpoint.hf import load_hf_into_model, read_hf_folder, write_hf_folder
+    from trainlib.errors import ConfigError
+    from trainlib.models.llama3 import get_model_args
+    from trainlib.models.qwen3 import Transformer as Qwen3, get_model_args as qwen3_args
+
+    (tmp_path / "mistral").mkdir()
+    (tmp_path / "mistral" / "config.json").write_text(json.dumps({"architectures": ["MistralForCausalLM"]}))
+    save_file({"x": torch.zeros(1)}, str(tmp_path / "mistral" / "model.safetensors"))
+    with pytest.raises(ConfigError, match=r"^\S+config.json is a Hugging Face model of architecture "
+                                          r"\['MistralForCausalLM'\], which no trainlib family reads \(llama3: "
+                                          r"LlamaForCausalLM; qwen3: Qwen3ForCausalLM\); convert it"):
+        read_hf_folder(tmp_path / "mistral")
+    args = qwen3_args("debug")
+    src = Qwen3(args, rope_len=8)
+    src.init_weights(seed=0)
+    write_hf_folder(src.state_dict(), args, tmp_path / "qwen3")
+    llama = Transformer(get_model_args("debug"), rope_len=8)
+    with pytest.raises(ConfigError, match=r"^HF checkpoint \S+ holds a qwen3 model, but this run builds llama3: "
+                                          r"set model.name = 'qwen3'"):
+        load_hf_into_model([llama], tmp_path / "qwen3", get_model_args("debug"))

@@ -29,7 +29,7 @@ LAYERS = [
      ["trainlib.errors", "trainlib.guard", "trainlib.config.loader", "trainlib.config.cli", "trainlib.config.recipes", "trainlib.launch", "trainlib.hardware", "trainlib.loss", "trainlib.distributed", "trainlib.metrics", "trainlib.profiling",
       "trainlib.resilience",
       "trainlib.optim", "trainlib.adamw", "trainlib.precision", "trainlib.float8", "trainlib.data", "trainlib.data.*", "trainlib.models",
-      "trainlib.params", "trainlib.models.*.model", "trainlib.models.*.state_dict_adapter"]),
+      "trainlib.params", "trainlib.models.layers", "trainlib.models.spec", "trainlib.models.*.model", "trainlib.models.*.state_dict_adapter"]),
     ("parallel: the mesh, one module per axis, per-model parallelization",
      ["trainlib.parallel", "trainlib.parallel.*", "trainlib.models.*", "trainlib.build", "trainlib.validation"]),
     ("checkpoint: DCP save/load of Stateful parts, HF/Meta interop",

@@ -176,3 +176,19 @@ def test_a_rotary_table_longer_than_the_input_gives_the_same_output():
     long.init_weights(seed=0)
     tokens = torch.randint(0, args.vocab_size, (2, 16), generator=torch.Generator().manual_seed(0))
     assert torch.equal(long(tokens), short(tokens))
+
+
+def test_tied_weights_stay_one_matrix_through_the_meta_build_and_initialisation():
+    # torch 2.13's to_empty makes a new parameter per holder of a shared one: the 1B models (tied) trained
+    # with an untied output layer on one device until init_model_weights tied them again.
+    from trainlib.parallel import init_model_weights
+
+    args = get_model_args("debug", tie_embeddings=True)
+    with torch.device("meta"):
+        model = Transformer(args, rope_len=16)
+    init_model_weights(model, 0, "cpu")
+    assert model.output.weight is model.tok_embeddings.weight
+    ref = Transformer(args, rope_len=16)
+    ref.init_weights(0)
+    assert sum(p.numel() for p in model.parameters()) == sum(p.numel() for p in ref.parameters())
+    assert all(torch.equal(a, b) for a, b in zip(ref.state_dict().values(), model.state_dict().values()))

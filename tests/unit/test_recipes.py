@@ -7,19 +7,19 @@ import pytest
 from tests.helpers import RECIPES
 from trainlib.config import ConfigError, load_job_config, resolve_recipe
 from trainlib.config.validate import resolve_local_batch_size, validate_job
-from trainlib.models.llama3 import get_model_args
+from trainlib.models.registry import model_args
 from trainlib.parallel import ParallelDims
 
 RECIPE_FILES = sorted(p.name for p in RECIPES.glob("*.toml"))
 
 # Cluster each recipe is written for (world size); the base is not a runnable job on its own.
-WORLD = {"debug.toml": 2, "llama3_1b.toml": 1, "llama3_3b.toml": 1, "llama3_8b.toml": 8, "llama3_70b.toml": 256,
-         "llama3_405b.toml": 512}
+WORLD = {"debug.toml": 2, "debug_qwen3.toml": 2, "llama3_1b.toml": 1, "llama3_3b.toml": 1, "llama3_8b.toml": 8,
+         "llama3_70b.toml": 256, "llama3_405b.toml": 512, "qwen3_8b.toml": 8, "qwen3_32b.toml": 32}
 
 @pytest.mark.parametrize("name", RECIPE_FILES)
 def test_recipe_loads(name):
     cfg = load_job_config(str(RECIPES / name))
-    get_model_args(cfg.model.flavor)
+    model_args(cfg.model)
     if name in WORLD:
         p = cfg.parallelism
         dims = ParallelDims(p.dp_replicate, p.dp_shard, p.cp, p.tp, p.pp, world_size=WORLD[name])
@@ -27,13 +27,16 @@ def test_recipe_loads(name):
 
 
 def test_every_recipe_has_a_target_world():
-    assert set(RECIPE_FILES) - {"llama3_base.toml"} <= set(WORLD)
+    assert set(RECIPE_FILES) - {"gpu_base.toml", "llama3_base.toml", "qwen3_base.toml"} <= set(WORLD)
 
 
 def test_variants_extend_the_base():
     cfg = load_job_config(str(RECIPES / "llama3_70b.toml"))
-    assert cfg.model.flavor == "llama3.1_70b" and cfg.training.seq_len == 8192  # from the base
-    assert cfg.training.mixed_precision_param == "bfloat16"
+    assert cfg.model.flavor == "llama3.1_70b" and cfg.training.seq_len == 8192  # from the family's base
+    assert cfg.training.mixed_precision_param == "bfloat16"  # from gpu_base.toml
+    cfg = load_job_config(str(RECIPES / "qwen3_32b.toml"))
+    assert (cfg.model.name, cfg.model.flavor, cfg.training.seq_len) == ("qwen3", "qwen3_32b", 4096)
+    assert cfg.tokenizer.kind == "hf" and cfg.training.mixed_precision_param == "bfloat16"
 
 
 
@@ -101,4 +104,5 @@ def test_batch_that_does_not_split_over_the_data_ranks_names_that_rule():
     assert resolve_local_batch_size(load_job_config(None, ["--training.global_batch_size=8"]), dims) == (2, 1)
     # validate_job (what a hand-written loop and the planner call) applies the batch rules too
     with pytest.raises(ConfigError, match=r"^training.global_batch_size \(6\) must be divisible"):
-        validate_job(load_job_config(None, ["--training.global_batch_size=6"]), dims, get_model_args("debug"), 256)
+        cfg = load_job_config(None, ["--training.global_batch_size=6"])
+        validate_job(cfg, dims, model_args(cfg.model), 256)

@@ -27,9 +27,21 @@ from trainlib.config import ConfigError, load_job_config
 from trainlib.config.cli import RecipeArgumentParser
 from trainlib.launch import train_command
 
+def _flavor_of_width(dim: int) -> list[str]:
+    """The first registered family's first flavor whose blocks are `dim` wide, as model overrides."""
+    from trainlib.models.registry import MODELS as FAMILIES
+
+    for spec in FAMILIES.values():
+        for flavor, args in spec.flavors.items():
+            if getattr(args, "dim", None) == dim:
+                return [f"--model.name={spec.name}", f"--model.flavor={flavor}"]
+    raise ValueError(f"no registered flavor is {dim} wide")
+
+
 MODELS = {
     "debug": ["--model.flavor=debug", "--training.seq_len=256", "--training.global_batch_size=16"],
-    "wide": ["--model.flavor=llama3.2_1b", "--model.n_layers=1", "--model.vocab_size=8192",
+    # one block 2048 wide (a 1B-class model's): ~60 MB of weights per block in fp32
+    "wide": [*_flavor_of_width(2048), "--model.n_layers=1", "--model.vocab_size=8192",
              "--training.seq_len=64", "--training.global_batch_size=2"],
 }
 MODES = ("disabled", "async", "async_with_pinned_mem")

@@ -8,7 +8,9 @@ disk in this one process, one HF file's worth of weights at a time.
 from __future__ import annotations
 
 import os
+from dataclasses import fields
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -25,12 +27,13 @@ from trainlib.checkpoint.hf import (
 )
 from trainlib.checkpoint.state import TrainState
 from trainlib.errors import ConfigError
-from trainlib.models.llama3.model import ModelArgs
+from trainlib.models.registry import MODELS, get_model_spec
 
 _ARGS_PREFIX = "trainer.model_args."
+_NAME_KEY = "trainer.model_name"
 
 
-def hf_to_dcp(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> ModelArgs:
+def hf_to_dcp(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Any:
     """An HF folder (config.json + *.safetensors, sharded or not) as a DCP
     checkpoint holding the model and its shape; start training from it with
     `checkpoint.initial_load_path=OUT_DIR`.
@@ -42,7 +45,8 @@ def hf_to_dcp(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> ModelArg
     eagerly, all blocks' permuted wq and wk were held at once: 72 GB for
     Llama 3.1 405B in bf16.)"""
     args, sd = read_hf_folder(hf_dir)
-    dcp.save({"model": {name: sd.stored(name) for name in sd}, "trainer": TrainState(model_args=args)},
+    dcp.save({"model": {name: sd.stored(name) for name in sd},
+              "trainer": TrainState(model_args=args, model_name=sd.spec.name)},
              storage_writer=FileSystemWriter(str(out_dir), single_file_per_rank=False),
              planner=_ConvertOnWrite(sd), no_dist=True)
     return args
@@ -81,15 +85,27 @@ def _open(ckpt_dir: str | os.PathLike) -> _OneMetadataReader:
     return _OneMetadataReader(str(ckpt_dir))
 
 
-def saved_model_args(ckpt_dir: str | os.PathLike, reader: FileSystemReader | None = None) -> ModelArgs | None:
-    """The model shape a checkpoint records (trainer.model_args), or None;
-    read through `reader` where one is open on the checkpoint."""
+def saved_model_args(ckpt_dir: str | os.PathLike, reader: FileSystemReader | None = None) -> Any | None:
+    """The model a checkpoint records (its family's args: trainer.model_name
+    and trainer.model_args), or None; read through `reader` where one is open
+    on the checkpoint. A checkpoint that records the args but not the family
+    (written before families were recorded) is given the one family whose
+    args have exactly those fields."""
     reader = reader or _open(ckpt_dir)
-    sd = {k: None for k in reader.read_metadata().state_dict_metadata if k.startswith(_ARGS_PREFIX)}
-    if not sd:
+    keys = reader.read_metadata().state_dict_metadata
+    sd = {k: None for k in keys if k.startswith(_ARGS_PREFIX) or k == _NAME_KEY}
+    if not any(k.startswith(_ARGS_PREFIX) for k in sd):
         return None
     dcp.load(sd, storage_reader=reader, no_dist=True)
-    return args_from_dict({k[len(_ARGS_PREFIX):]: v for k, v in sd.items()})
+    values = {k[len(_ARGS_PREFIX):]: v for k, v in sd.items() if k.startswith(_ARGS_PREFIX)}
+    if _NAME_KEY in sd:
+        spec = get_model_spec(sd[_NAME_KEY])
+    else:
+        matches = [s for s in MODELS.values() if {f.name for f in fields(s.args_type)} == set(values)]
+        if len(matches) != 1:
+            return None
+        (spec,) = matches
+    return args_from_dict(values, spec)
 
 
 class DCPWeights(LazyWeights):
@@ -126,12 +142,12 @@ def read_dcp_model(ckpt_dir: str | os.PathLike) -> dict[str, torch.Tensor]:
     return weights.read_many(list(weights))
 
 
-def dcp_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, args: ModelArgs | None = None,
+def dcp_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, args: Any | None = None,
               dtype: torch.dtype | None = None, max_shard_bytes: int = HF_SHARD_BYTES) -> Path:
     """An HF folder (`config.json` and safetensors files of at most
-    `max_shard_bytes`, `write_hf_folder`) that
-    `transformers.LlamaForCausalLM.from_pretrained` loads. The shape is `args`
-    if given, else the one the checkpoint records. Read and written one file's
+    `max_shard_bytes`, `write_hf_folder`) that the family's transformers
+    class loads with `from_pretrained`. The family and shape are `args` if
+    given, else the ones the checkpoint records. Read and written one file's
     worth of weights at a time: memory holds one file's weights, not the
     model (a Llama 3.1 405B checkpoint is 1.6 TB in fp32)."""
     weights = DCPWeights(ckpt_dir)

@@ -1,7 +1,9 @@
 """Hugging Face / Meta checkpoint files <-> trainlib weights, without a process group.
 
-The name and rotary mapping itself lives next to the model, in
-`trainlib.models.llama3.state_dict_adapter`; this module reads and writes files.
+The name, layout and config.json mapping of each family lives next to its
+model, in its `state_dict_adapter` (the model contract,
+`trainlib/models/spec.py`); this module picks the family (from config.json's
+`architectures`, or from the args' type) and reads and writes the files.
 """
 
 from __future__ import annotations
@@ -17,16 +19,8 @@ import torch
 from torch import nn
 
 from trainlib.errors import ConfigError
-from trainlib.models.llama3.model import ModelArgs
-from trainlib.models.llama3.state_dict_adapter import (
-    args_from_hf_config,
-    hf_config_from_args,
-    hf_row_order,
-    hf_weight_names,
-    hf_weight_to_trainlib,
-    trainlib_weight_names,
-    trainlib_weight_to_hf,
-)
+from trainlib.models.registry import MODELS, get_model_spec
+from trainlib.models.spec import ModelSpec
 from trainlib.params import canonical_name, copy_full_
 
 
@@ -35,9 +29,37 @@ _INDEX = "model.safetensors.index.json"
 HF_SHARD_BYTES = 5 * 10**9
 
 
-def args_from_dict(d: dict) -> ModelArgs:
-    names = {f.name for f in fields(ModelArgs)}
-    return ModelArgs(**{k: v for k, v in d.items() if k in names})
+def spec_of_args(args: Any) -> ModelSpec:
+    """The family whose args dataclass `args` is."""
+    for spec in MODELS.values():
+        if isinstance(args, spec.args_type):
+            return spec
+    raise TypeError(f"{type(args).__name__} is no registered family's args type")
+
+
+def args_from_dict(d: dict, spec: ModelSpec) -> Any:
+    """`spec`'s args from a dict of their fields (a checkpoint's trainer.model_args); unknown keys are ignored."""
+    names = {f.name for f in fields(spec.args_type)}
+    return spec.args_type(**{k: v for k, v in d.items() if k in names})
+
+
+def spec_of_hf_config(cfg: dict, path: str | os.PathLike = "config.json") -> ModelSpec:
+    """The family that reads a Hugging Face config.json (by its `architectures`,
+    else its `model_type`); one that none reads is a ConfigError naming what
+    each family reads."""
+    archs = cfg.get("architectures") or []
+    for spec in MODELS.values():
+        adapter = spec.state_dict_adapter
+        if any(a in adapter.ARCHITECTURES for a in archs) or (not archs and cfg.get("model_type") == adapter.MODEL_TYPE):
+            return spec
+    known = "; ".join(f"{s.name}: {', '.join(s.state_dict_adapter.ARCHITECTURES)}" for s in MODELS.values())
+    raise ConfigError(f"{path} is a Hugging Face model of architecture {archs or 'unknown (no architectures)'}, "
+                      f"which no trainlib family reads ({known}); convert it to one of those first")
+
+
+def args_from_hf_config(cfg: dict) -> Any:
+    """The args of the family that reads this config.json (`spec_of_hf_config`)."""
+    return spec_of_hf_config(cfg).state_dict_adapter.args_from_hf_config(cfg)
 
 
 # --------------------------------------------------------------------------- weights
@@ -89,17 +111,18 @@ class HFWeights(LazyWeights):
     even that: `load_full_state_into_model` gathers from the stored weight
     (`stored`, `row_order`) only the rows of the rank's shard."""
 
-    def __init__(self, file_of: dict[str, Path], args: ModelArgs):
-        self.args = args
+    def __init__(self, file_of: dict[str, Path], args: Any, spec: ModelSpec):
+        self.args, self.spec = args, spec
+        self._adapter = spec.state_dict_adapter
         self._file_of = file_of  # HF name -> the file holding it
-        self._names = hf_weight_names(file_of, args)  # trainlib name -> HF name
+        self._names = self._adapter.hf_weight_names(file_of, args)  # trainlib name -> HF name
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.convert(name, self.stored(name))
 
     def convert(self, name: str, stored: torch.Tensor) -> torch.Tensor:
         """`self[name]` made from `stored`, a tensor `stored(name)` returned: its file is not opened again."""
-        return hf_weight_to_trainlib(name, stored, self.args)
+        return self._adapter.hf_weight_to_trainlib(name, stored, self.args)
 
     def stored(self, name: str) -> torch.Tensor:
         """Weight `name` as the file stores it (HF's layout), memory-mapped:
@@ -113,16 +136,19 @@ class HFWeights(LazyWeights):
 
     def row_order(self, name: str) -> torch.Tensor | None:
         """Which stored row each of `self[name]`'s rows is (None: the same)."""
-        return hf_row_order(name, self.args)
+        return self._adapter.hf_row_order(name, self.args)
 
 
-def read_hf_folder(path: str | os.PathLike) -> tuple[ModelArgs, HFWeights]:
+def read_hf_folder(path: str | os.PathLike) -> tuple[Any, HFWeights]:
     """(model shape, trainlib-named full tensors, read on access) from an HF
-    folder, sharded (`model.safetensors.index.json`) or not."""
+    folder, sharded (`model.safetensors.index.json`) or not; the family is
+    the one that reads its config.json (`HFWeights.spec`)."""
     path = Path(path)
     if not is_hf_folder(path):
         raise ConfigError(f"{path} is not a Hugging Face checkpoint folder: expected config.json and *.safetensors")
-    args = args_from_hf_config(json.loads((path / "config.json").read_text()))
+    config = json.loads((path / "config.json").read_text())
+    spec = spec_of_hf_config(config, path / "config.json")
+    args = spec.state_dict_adapter.args_from_hf_config(config)
     index = path / _INDEX
     if not index.is_file():  # one file, or files without an index: their headers name their tensors
         from safetensors import safe_open
@@ -131,16 +157,16 @@ def read_hf_folder(path: str | os.PathLike) -> tuple[ModelArgs, HFWeights]:
         for f in sorted(path.glob("*.safetensors")):
             with safe_open(str(f), framework="pt") as handle:
                 file_of.update(dict.fromkeys(handle.keys(), f))
-        return args, HFWeights(file_of, args)
+        return args, HFWeights(file_of, args, spec)
     weight_map = json.loads(index.read_text())["weight_map"]  # the index's files: others may be stale
     absent = sorted({f for f in weight_map.values() if not (path / f).is_file()})
     if absent:
         raise ConfigError(f"{index} lists {len(absent)} file(s) the folder lacks ({', '.join(absent[:3])}"
                           f"{', ...' if len(absent) > 3 else ''}): an incomplete download or copy; fetch them")
-    return args, HFWeights({name: path / f for name, f in weight_map.items()}, args)
+    return args, HFWeights({name: path / f for name, f in weight_map.items()}, args, spec)
 
 
-def write_hf_folder(sd: Mapping[str, torch.Tensor], args: ModelArgs, out_dir: str | os.PathLike, *,
+def write_hf_folder(sd: Mapping[str, torch.Tensor], args: Any, out_dir: str | os.PathLike, *,
                     dtype: torch.dtype | None = None, max_shard_bytes: int = HF_SHARD_BYTES) -> Path:
     """`config.json` and the weights in safetensors files of at most
     `max_shard_bytes` each (a bigger tensor gets a file of its own): one
@@ -150,13 +176,15 @@ def write_hf_folder(sd: Mapping[str, torch.Tensor], args: ModelArgs, out_dir: st
     at a time: with a Mapping that reads on access (`DCPWeights`, or one
     with a `read_many(names)`), memory holds one file's weights (in their
     own dtype, and cast), not the model. Files of an earlier export in
-    `out_dir` are replaced."""
+    `out_dir` are replaced. The family is the one whose args `args` are."""
     from safetensors.torch import save_file
 
+    spec = spec_of_args(args)
+    adapter = spec.state_dict_adapter
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    hf_name = trainlib_weight_names(sd, args)
-    names = sorted(hf_name, key=_file_order)
+    hf_name = adapter.trainlib_weight_names(sd, args)
+    names = sorted(hf_name, key=lambda name: _file_order(name, spec))
     specs = {name: _spec(sd, name) for name in names}
     out_dtype = dtype or specs[names[0]][1]
     files = _shards(names, lambda n: specs[n][0].numel() * out_dtype.itemsize, max_shard_bytes)
@@ -167,7 +195,7 @@ def write_hf_folder(sd: Mapping[str, torch.Tensor], args: ModelArgs, out_dir: st
     weight_map, total = {}, 0
     for file_name, file in zip(file_names, files):
         tensors = sd.read_many(file) if hasattr(sd, "read_many") else {name: sd[name] for name in file}
-        hf = {hf_name[name]: trainlib_weight_to_hf(name, t.to(out_dtype), args).contiguous()
+        hf = {hf_name[name]: adapter.trainlib_weight_to_hf(name, t.to(out_dtype), args).contiguous()
               for name, t in tensors.items()}
         del tensors
         save_file(hf, str(out / file_name), metadata={"format": "pt"})
@@ -177,7 +205,7 @@ def write_hf_folder(sd: Mapping[str, torch.Tensor], args: ModelArgs, out_dir: st
     if len(files) > 1:
         (out / _INDEX).write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2)
                                   + "\n")
-    config = hf_config_from_args(args, str(out_dtype).replace("torch.", ""))
+    config = adapter.hf_config_from_args(args, str(out_dtype).replace("torch.", ""))
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
     return out
 
@@ -189,12 +217,13 @@ def _spec(sd: Mapping[str, torch.Tensor], name: str) -> tuple[torch.Size, torch.
     return sd[name].shape, sd[name].dtype
 
 
-def _file_order(name: str) -> tuple:
-    """Embedding, blocks in order, final norm, output: files hold neighbouring blocks."""
+def _file_order(name: str, spec: ModelSpec) -> tuple:
+    """The first stage's root modules (the embedding), blocks in order, the
+    rest (final norm, output): files hold neighbouring blocks."""
     parts = name.split(".")
     if parts[0] == "layers":
         return (1, int(parts[1]), name)
-    return (0 if parts[0] == "tok_embeddings" else 2, 0, name)
+    return (0 if parts[0] in spec.stage_roots.first else 2, 0, name)
 
 
 def _shards(names: list[str], nbytes, limit: int) -> list[list[str]]:
@@ -209,16 +238,25 @@ def _shards(names: list[str], nbytes, limit: int) -> list[list[str]]:
     return files
 
 
-def check_shapes(sd: dict[str, torch.Tensor], args: ModelArgs, expected: ModelArgs, source: str) -> None:
-    if (args.dim, args.n_layers, args.n_heads, args.n_kv_heads, args.ffn_dim, args.vocab_size) != (
-            expected.dim, expected.n_layers, expected.n_heads, expected.n_kv_heads, expected.ffn_dim,
-            expected.vocab_size):
-        raise ConfigError(
-            f"{source} holds a model of dim={args.dim} n_layers={args.n_layers} n_heads={args.n_heads} "
-            f"n_kv_heads={args.n_kv_heads} ffn_dim={args.ffn_dim} vocab_size={args.vocab_size}, but this run builds "
-            f"dim={expected.dim} n_layers={expected.n_layers} n_heads={expected.n_heads} "
-            f"n_kv_heads={expected.n_kv_heads} ffn_dim={expected.ffn_dim} vocab_size={expected.vocab_size}; "
-            "set model.flavor / model.n_layers / model.vocab_size to match")
+def check_shapes(args: Any, expected: Any, source: str) -> None:
+    """One line when the weights `args` describe are not the ones this run's
+    model (`expected`) holds: another family, or parameters of other shapes."""
+    have, want = spec_of_args(args), spec_of_args(expected)
+    if have is not want:
+        raise ConfigError(f"{source} holds a {have.name} model, but this run builds {want.name}: set "
+                          f"model.name = '{have.name}' (and its flavor), or load a {want.name} checkpoint")
+    if args != expected and _param_shapes(want, args) != _param_shapes(want, expected):
+        differ = [f.name for f in fields(args) if getattr(args, f.name) != getattr(expected, f.name)]
+        show = lambda a: " ".join(f"{k}={getattr(a, k)}" for k in differ)  # noqa: E731
+        raise ConfigError(f"{source} holds a model of {show(args)}, but this run builds {show(expected)}: set "
+                          f"model.flavor / model.n_layers / model.vocab_size to match")
+
+
+def _param_shapes(spec: ModelSpec, args: Any) -> dict[str, tuple[int, ...]]:
+    with torch.device("meta"):
+        model = spec.model_cls(args, rope_len=1)
+    # every holder of a tied matrix by its name: a tied checkpoint may start an untied model
+    return {name: tuple(p.shape) for name, p in model.named_parameters(remove_duplicate=False)}
 
 
 def load_full_state_into_model(model_parts: list[nn.Module], sd: Mapping[str, torch.Tensor], source: str) -> None:
@@ -242,7 +280,7 @@ def load_full_state_into_model(model_parts: list[nn.Module], sd: Mapping[str, to
 def load_hf_into_model(model_parts: list[nn.Module], path: str | os.PathLike, expected: Any = None) -> None:
     args, sd = read_hf_folder(path)
     if expected is not None:
-        check_shapes(sd, args, expected, f"HF checkpoint {path}")
+        check_shapes(args, expected, f"HF checkpoint {path}")
     load_full_state_into_model(model_parts, sd, f"HF checkpoint {path}")
 
 
@@ -253,30 +291,19 @@ def is_meta_folder(path: str | os.PathLike) -> bool:
     return any(Path(path).glob("consolidated.*.pth"))
 
 
-def load_meta_into_model(model_parts: list[nn.Module], path: str | os.PathLike, expected: Any = None) -> None:
-    """Weights from Meta's reference format (`consolidated.00.pth` [+ params.json]).
-    Its names and rotary layout are trainlib's own, so no renaming or permutation.
-    The rotary settings come from the run's model.flavor, not from the file."""
+def load_meta_into_model(model_parts: list[nn.Module], path: str | os.PathLike, expected: Any) -> None:
+    """Weights from a Meta reference checkpoint folder (`consolidated.00.pth`
+    [+ params.json]), read by the run's family (`expected`'s) where its
+    adapter has `read_meta_checkpoint(path, expected) -> (args, weights)`."""
+    spec = spec_of_args(expected)
+    read = getattr(spec.state_dict_adapter, "read_meta_checkpoint", None)
+    if read is None:
+        raise ConfigError(f"{path} is a Meta reference checkpoint (consolidated.*.pth), which the {spec.name} family "
+                          f"does not read; point checkpoint.initial_load_path at a Hugging Face or DCP checkpoint")
     files = sorted(Path(path).glob("consolidated.*.pth"))
     if len(files) != 1:
         raise ConfigError(f"{path} holds {len(files)} consolidated.*.pth files (model-parallel shards); only "
                           "single-file Meta checkpoints load directly: convert larger ones to HF format first")
-    sd = torch.load(files[0], map_location="cpu", weights_only=True, mmap=True)
-    if "output.weight" not in sd and "tok_embeddings.weight" in sd:
-        sd["output.weight"] = sd["tok_embeddings.weight"]
-    if expected is not None:
-        w1 = sd["layers.0.feed_forward.w1.weight"]
-        heads = expected.n_heads  # params.json is optional; heads cannot be read from weights alone
-        params = Path(path) / "params.json"
-        if params.is_file():
-            p = json.loads(params.read_text())
-            heads = p.get("n_heads", heads)
-            kv = p.get("n_kv_heads", heads)
-        else:
-            kv = expected.n_kv_heads
-        n_layers = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("layers."))
-        args = ModelArgs(dim=w1.shape[1], n_layers=n_layers, n_heads=heads, n_kv_heads=kv, ffn_dim=w1.shape[0],
-                         vocab_size=sd["tok_embeddings.weight"].shape[0])
-        check_shapes(sd, args, expected, f"Meta checkpoint {path}")
+    args, sd = read(files[0], expected)
+    check_shapes(args, expected, f"Meta checkpoint {path}")
     load_full_state_into_model(model_parts, sd, f"Meta checkpoint {path}")
-

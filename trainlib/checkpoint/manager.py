@@ -33,6 +33,7 @@ A save is refused (TrainingStopped, on every rank) when any part holds a NaN or 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
@@ -192,6 +193,22 @@ def check_optimizer_matches(path: Path, optimizer_sd: dict[str, Any]) -> None:
                               f"{mine} (optimizer.state_dtype): load it with optimizer.state_dtype = '{saved}'")
 
 
+@contextlib.contextmanager
+def _without_unrecorded_family(path: Path, trainer: Stateful | None):
+    """Checkpoints written before the family was recorded (trainer.model_name)
+    load as they were: the run's TrainState asks for no key they lack."""
+    name = getattr(trainer, "model_name", None)
+    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata if name is not None else {}
+    if name is None or "trainer.model_name" in keys:
+        yield
+        return
+    trainer.model_name = None
+    try:
+        yield
+    finally:
+        trainer.model_name = name
+
+
 class Checkpointer:
     """Saves and restores a run's registered `Stateful` parts, so that it can
     continue exactly.
@@ -302,7 +319,8 @@ class Checkpointer:
             check_optimizer_matches(Path(path), states["optimizer"].state_dict())
         # Parts raise a ValueError naming the rule (e.g. a DP degree that
         # cannot continue the data stream exactly) before any step runs.
-        dcp.load(states, checkpoint_id=str(path))
+        with _without_unrecorded_family(Path(path), states.get("trainer")):
+            dcp.load(states, checkpoint_id=str(path))
 
     def restore_latest(self, exclude: Iterable[str] = ()) -> int | None:
         """Load the parts not in `exclude` from the latest complete checkpoint

@@ -105,16 +105,18 @@ class TrainState:
     """Where the run stands: the last finished step, the tokens trained on, and
     torch's generator state (CPU, and CUDA when present) of one rank.
 
-    `model_args` (the model's shape dataclass) is saved too, so that
-    `python -m trainlib.convert dcp-to-hf` can rebuild the shape from the
-    checkpoint alone; loading ignores it (the run's own shape is checked
-    against the saved tensors instead). `tokens_per_step` is this run's global
-    batch x sequence length and is not saved: a resumed run may change it."""
+    `model_name` (the family, `model.name`) and `model_args` (its shape
+    dataclass) are saved too, so that `python -m trainlib.convert dcp-to-hf`
+    can rebuild the model from the checkpoint alone; loading ignores them (the
+    run's own shape is checked against the saved tensors instead).
+    `tokens_per_step` is this run's global batch x sequence length and is not
+    saved: a resumed run may change it."""
 
     tokens_per_step: int = 0
     model_args: Any = None
     step: int = 0
     tokens_seen: int = 0
+    model_name: str | None = None
 
     def advance(self, step: int) -> None:
         self.step = step
@@ -124,8 +126,11 @@ class TrainState:
         rng = {"cpu": torch.get_rng_state()}
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state()
-        return {"step": self.step, "tokens_seen": self.tokens_seen, "rng": rng,
-                "model_args": asdict(self.model_args) if self.model_args is not None else {}}
+        sd = {"step": self.step, "tokens_seen": self.tokens_seen, "rng": rng,
+              "model_args": asdict(self.model_args) if self.model_args is not None else {}}
+        if self.model_name is not None:
+            sd["model_name"] = self.model_name
+        return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])

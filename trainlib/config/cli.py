@@ -30,7 +30,7 @@ class RecipeArgumentParser(argparse.ArgumentParser):
         super().__init__(prog=prog, description=description, epilog=epilog, allow_abbrev=False,
                          formatter_class=argparse.RawDescriptionHelpFormatter)
         self.add_argument("--recipe", default=None, metavar="NAME|FILE",
-                          help="a shipped recipe's name (e.g. debug, llama70b.toml) or a TOML file's path "
+                          help="a shipped recipe's name (e.g. debug; --list-recipes lists them) or a TOML file's path "
                                "(default: the built-in defaults: the debug model on the shipped corpus)")
         self.add_argument("--set", action="extend", nargs="+", default=[], metavar="SECTION.KEY=VALUE",
                           help="recipe overrides; --set a.b=1 c.d=2 is the same as --a.b=1 --c.d=2")

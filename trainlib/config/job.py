@@ -17,7 +17,7 @@ from trainlib.metrics import MetricsConfig
 from trainlib.float8 import Float8Config
 from trainlib.guard import GuardConfig
 from trainlib.loss import LossConfig
-from trainlib.models.registry import MODELS, model_args
+from trainlib.models.registry import DEFAULT_MODEL, MODELS, model_args
 from trainlib.optim import LRSchedulerConfig, OptimizerConfig
 from trainlib.parallel.ac import ActivationCheckpointConfig
 from trainlib.parallel.compile import CompileConfig
@@ -36,7 +36,7 @@ class JobSection:
 
 @dataclass
 class ModelConfig:
-    name: str = field(default="llama3", metadata={"help": "model family (trainlib.models.registry): "
+    name: str = field(default=DEFAULT_MODEL, metadata={"help": "model family (trainlib.models.registry): "
                                                           + ", ".join(MODELS)})
     flavor: str = field(default="debug", metadata={"help": "; ".join(
         f"{spec.name}: {', '.join(spec.flavors)}" for spec in MODELS.values())})

@@ -247,6 +247,9 @@ def _load(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict]:
         raise ConfigError(f"invalid TOML in {path}: {e}") from None
     except UnicodeDecodeError as e:
         raise ConfigError(f"recipe {path} is not UTF-8 text (byte {e.start}: {e.reason}); save it as UTF-8") from None
+    names = data.pop("aliases", [])  # a shipped recipe's other names (trainlib.config.recipes)
+    if not isinstance(names, list) or not all(isinstance(n, str) for n in names):
+        raise ConfigError(f"aliases in {path} must be a list of recipe names, got {names!r}")
     bases = data.pop("extends", [])
     bases = [bases] if isinstance(bases, str) else bases
     if not isinstance(bases, list) or not all(isinstance(b, str) for b in bases):

@@ -14,12 +14,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from trainlib.config.loader import ConfigError, closest_key
+from trainlib.config.loader import ConfigError, closest_key, tomllib
 
-__all__ = ["ALIASES", "available_recipes", "recipes_dir", "resolve_recipe"]
-
-# The design card's names for the shipped Llama 3.1 recipes.
-ALIASES = {"llama8b": "llama3_8b", "llama70b": "llama3_70b", "llama405b": "llama3_405b"}
+__all__ = ["aliases", "available_recipes", "recipes_dir", "resolve_recipe"]
 
 
 def recipes_dir() -> Path:
@@ -28,14 +25,25 @@ def recipes_dir() -> Path:
     return installed if installed.is_dir() else package.parent / "recipes"
 
 
+def aliases() -> dict[str, str]:
+    """Other names of the shipped recipes (the design card's, e.g. for the Llama 3.1 recipes), each
+    declared by its recipe file as a top-level `aliases = [...]` -> the recipe's stem."""
+    out = {}
+    for path in sorted(recipes_dir().glob("*.toml")):
+        with open(path, "rb") as fh:
+            for alias in tomllib.load(fh).get("aliases", []):
+                out[alias] = path.stem
+    return out
+
+
 def available_recipes() -> dict[str, str]:
     """Shipped recipe names (aliases in brackets) -> what the file's first comment line
     says before its first colon (the recipes open with "<model> on <cluster>: <how>")."""
-    out = {}
+    out, known = {}, aliases()
     for path in sorted(recipes_dir().glob("*.toml")):
         first = path.read_text(encoding="utf-8").splitlines()[:1]
-        aliases = [a for a, stem in ALIASES.items() if stem == path.stem]
-        name = path.stem + (f" ({', '.join(aliases)})" if aliases else "")
+        names = [a for a, stem in known.items() if stem == path.stem]
+        name = path.stem + (f" ({', '.join(names)})" if names else "")
         out[name] = first[0].lstrip("# ").split(": ")[0].strip() if first and first[0].startswith("#") else ""
     return out
 
@@ -49,7 +57,8 @@ def resolve_recipe(name: str | os.PathLike) -> Path:
     anything else is a shipped recipe's name or alias, with or without `.toml`."""
     name = os.fspath(name)
     stem = Path(name).name.removesuffix(".toml")
-    shipped = recipes_dir() / f"{ALIASES.get(stem, stem)}.toml"
+    known = aliases()
+    shipped = recipes_dir() / f"{known.get(stem, stem)}.toml"
     if _is_path(name):
         if not Path(name).is_file() and shipped.is_file():  # e.g. recipes/debug.toml outside the repo
             raise ConfigError(f"recipe file not found: {name}; the shipped recipe of that name is "
@@ -57,7 +66,7 @@ def resolve_recipe(name: str | os.PathLike) -> Path:
         return Path(name)
     if shipped.is_file():
         return shipped
-    names = [*(p.stem for p in sorted(recipes_dir().glob("*.toml"))), *ALIASES]
+    names = [*(p.stem for p in sorted(recipes_dir().glob("*.toml"))), *known]
     near = closest_key(stem, names)
     hint = f"did you mean {near!r}? " if near else ""
     raise ConfigError(f"unknown recipe {name!r}; {hint}shipped recipes: {', '.join(available_recipes())}; "

@@ -15,7 +15,6 @@ import torch
 from trainlib import float8 as float8_lib
 from trainlib.config.job import JobConfig
 from trainlib.config.loader import ConfigError
-from trainlib.models.llama3.model import ModelArgs
 from trainlib.models.registry import get_model_spec
 from trainlib.parallel.parallel_dims import ParallelDims
 
@@ -40,7 +39,7 @@ def resolve_local_batch_size(cfg: JobConfig, dims: ParallelDims) -> tuple[int, i
     return lbs, gbs // (lbs * dp)
 
 
-def validate_job(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs, tokenizer_vocab: int) -> None:
+def validate_job(cfg: JobConfig, dims: ParallelDims, model_args, tokenizer_vocab: int) -> None:
     if tokenizer_vocab > model_args.vocab_size:
         raise ConfigError(
             f"tokenizer vocabulary ({tokenizer_vocab}) is larger than the model's vocab_size "
@@ -106,23 +105,13 @@ def validate_machine(cfg: JobConfig, device: torch.device) -> None:
                           f"split (e.g. Interleaved1F1B)")
 
 
-def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args: ModelArgs) -> None:
+def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args) -> None:
     """Tensor- and pipeline-parallel rules (trainlib.parallel.tp / .pp)."""
     from trainlib.parallel import pp as pp_lib
 
     par, tp = cfg.parallelism, dims.tp
-    if model_args.tie_embeddings and (dims.tp_enabled or dims.pp_enabled):
-        raise ConfigError(
-            f"model.flavor '{cfg.model.flavor}' ties the embedding and output weights, which tensor and "
-            f"pipeline parallelism do not support (tp={dims.tp}, pp={dims.pp}); use tp=1 and pp=1 with this flavor")
+    get_model_spec(cfg.model.name).validate(model_args, dims.degrees(), cfg.training.seq_len)
     if dims.tp_enabled:
-        for what, value in (("n_heads", model_args.n_heads), ("n_kv_heads", model_args.n_kv_heads),
-                            ("ffn_dim", model_args.ffn_dim), ("vocab_size", model_args.vocab_size)):
-            if value % tp:
-                raise ConfigError(
-                    f"model {what} ({value}) must be divisible by parallelism.tp ({tp}): each TP rank owns "
-                    f"1/tp of them{' (GQA: kv heads are not replicated)' if what == 'n_kv_heads' else ''}; "
-                    f"choose tp dividing {value}")
         if par.tp_sequence_parallel and cfg.training.seq_len % tp:
             raise ConfigError(
                 f"training.seq_len ({cfg.training.seq_len}) must be divisible by parallelism.tp ({tp}) under "

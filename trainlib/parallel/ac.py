@@ -18,7 +18,7 @@ Modes (per transformer block; the block is the checkpoint region):
                    wq, wv, w1 and w2, 64%). Attention itself is never rerun:
                    its output is saved and wo's recompute starts from it.
 
-Applied after TP/CP and before compile and FSDP (see parallelize_llama). The
+Applied after TP/CP and before compile and FSDP (trainlib.parallel.apply). The
 wrapper inserts `_checkpoint_wrapped_module` into parameter names; init and
 checkpoint keys strip it (trainlib.params.canonical_name).
 """

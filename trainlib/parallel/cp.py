@@ -48,6 +48,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainlib.data import document_ids
+from trainlib.models.layers import Attention
 
 __all__ = ["apply_cp", "chunk_ids", "cp_sdpa", "layout_positions", "local_micro_batches", "shard_batch", "shard_sequence", "unshard_sequence"]
 
@@ -267,7 +268,8 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool = True
     """Route every block's attention kernel to `cp_sdpa` on `cp_mesh`, and make
     RoPE and document masks follow the chunk layout.
 
-    The model's `Attention.sdpa` is replaced per module instance (the model
+    Every attention module (a subclass of `trainlib.models.layers.Attention`,
+    the model contract) has its `sdpa` kernel replaced per instance (the model
     file stays single-device); the replaced one stays the kernel for document
     masks. A forward pre-hook on the model supplies `position_ids` (this
     rank's window positions) whenever the caller passes none, so every caller,
@@ -280,11 +282,12 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool = True
                                masks=_MaskCache())
     n = 0
     for module in model.modules():
-        if hasattr(module, "sdpa") and hasattr(module, "wq"):
+        if isinstance(module, Attention):
             module.sdpa = functools.partial(kernel, attend=module.sdpa)
             n += 1
     if n == 0:
-        raise ValueError("apply_cp found no attention module (with `sdpa` and `wq`) to route")
+        raise ValueError("apply_cp found no attention module (a subclass of trainlib.models.layers.Attention) "
+                         "to route")
 
     if hasattr(model, "attention_mask"):  # a model that supports document masking
         build_mask = model.attention_mask

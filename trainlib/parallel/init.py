@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from trainlib.params import canonical_name, init_param_
+from trainlib.params import canonical_name, init_param_, retie, shared_parameters
 
 
 @torch.no_grad()
@@ -23,7 +23,9 @@ def init_model_weights(model: nn.Module, seed: int, device: torch.device | str,
     matrix in fp32, which is far below what the sharded training step needs.
     Values are reproducible per device type (CPU and CUDA generators differ).
     """
+    tied = shared_parameters(model)  # to_empty makes a new parameter per holder: tie them again
     model.to_empty(device=param_device or device)
+    retie(model, tied)
     model.init_buffers(device=device)
     for name, p in model.named_parameters():
         name = canonical_name(name)

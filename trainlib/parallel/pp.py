@@ -3,7 +3,8 @@ torch.distributed.pipelining schedule over the `pp` mesh.
 
 A stage is a module of the model's class holding only the blocks it owns
 (the meta-device model's own modules, shared, not copied) and, except on the
-first/last stage, no embedding / final norm / output. Parameter names stay
+first/last stage, none of the family's root modules (`StageRoots`: the
+embedding; the final norm and output projection). Parameter names stay
 those of the whole model, so initialisation and checkpoints do not depend on
 the split. Each stage is then parallelized (TP, FSDP, ...) like a whole model.
 
@@ -37,6 +38,7 @@ from torch.distributed.pipelining import (
 
 from trainlib.errors import ConfigError
 from trainlib.loss import cross_entropy_sum
+from trainlib.models.spec import StageRoots
 
 SCHEDULES = {
     "GPipe": ScheduleGPipe,
@@ -100,18 +102,20 @@ def stage_ids(pp_rank: int, pp: int, n_per_rank: int, schedule: str) -> list[int
     return [pp_rank + k * pp for k in range(n_per_rank)]
 
 
-def split_stage(model: nn.Module, first_layer: int, n_layers: int, is_first: bool, is_last: bool) -> nn.Module:
+def split_stage(model: nn.Module, first_layer: int, n_layers: int, is_first: bool, is_last: bool,
+                roots: StageRoots) -> nn.Module:
     """The stage of `model` that owns blocks first_layer .. first_layer+n_layers-1
-    (and the embedding / final norm + output on the first / last stage).
+    (and `roots.first` / `roots.last` on the first / last stage).
 
     A new module object of the model's class whose children are `model`'s own
-    modules, shared, not copied: each block, the embedding, norm and output
-    belong to exactly one stage, so stages never share a module, and nothing
-    the stage does not own is copied first and deleted after. Only the shell
-    (its attributes and buffers, e.g. the RoPE table) is copied."""
+    modules, shared, not copied: each block and root module belongs to exactly
+    one stage, so stages never share a module, and nothing the stage does not
+    own is copied first and deleted after. Only the shell (its attributes and
+    buffers, e.g. the RoPE table) is copied."""
     keep = nn.ModuleDict({str(i): model.layers[str(i)] for i in range(first_layer, first_layer + n_layers)})
-    owned = {"layers": keep, "tok_embeddings": model.tok_embeddings if is_first else None,
-             "norm": model.norm if is_last else None, "output": model.output if is_last else None}
+    owned = {"layers": keep}
+    owned.update({name: getattr(model, name) if is_first else None for name in roots.first})
+    owned.update({name: getattr(model, name) if is_last else None for name in roots.last})
     # deepcopy consults `memo` before copying an object: the children map to
     # themselves (shared) or to None (not on this stage).
     memo = {id(getattr(model, name)): module for name, module in owned.items()}
@@ -205,10 +209,11 @@ def _recv_activation(peer: int, group, device: torch.device) -> torch.Tensor:
     return x
 
 
-def pipeline_llama(
+def pipeline_stages(
     model: nn.Module,
     pp_mesh: DeviceMesh,
     *,
+    roots: StageRoots,
     schedule: str,
     n_microbatches: int,
     n_stages_per_rank: int,
@@ -225,7 +230,7 @@ def pipeline_llama(
     starts = [sum(layer_counts[:i]) for i in range(n_stages)]
     stages, parts = [], []
     for sid in stage_ids(pp_rank, pp, n_stages_per_rank, schedule):
-        part = split_stage(model, starts[sid], layer_counts[sid], sid == 0, sid == n_stages - 1)
+        part = split_stage(model, starts[sid], layer_counts[sid], sid == 0, sid == n_stages - 1, roots)
         part = parallelize(part)
         parts.append(part)
         stages.append(PipelineStage(part, sid, n_stages, device, group=pp_mesh.get_group()))
@@ -240,16 +245,16 @@ def pipeline_llama(
     return pipe
 
 
-def build_pipeline(model: nn.Module, parallel_dims, parallelism, device: torch.device,
+def build_pipeline(model: nn.Module, roots: StageRoots, parallel_dims, parallelism, device: torch.device,
                    parallelize: Callable[[nn.Module], nn.Module],
                    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum) -> Pipeline:
-    """`pipeline_llama` with the recipe's [parallelism] settings (validated by `validate_job`)."""
+    """`pipeline_stages` with the recipe's [parallelism] settings (validated by `validate_job`)."""
     sched = parallelism.pp_schedule
     per_rank = stages_per_rank(sched, parallelism.pp_stages_per_rank)
     n_stages = parallel_dims.pp * per_rank
-    return pipeline_llama(
-        model, parallel_dims.mesh("pp"), schedule=sched,
+    return pipeline_stages(
+        model, parallel_dims.mesh("pp"), roots=roots, schedule=sched,
         n_microbatches=parallelism.pp_microbatches or n_stages, n_stages_per_rank=per_rank,
-        layer_counts=layers_per_stage(model.args.n_layers, n_stages, parallelism.pp_layers_per_stage),
+        layer_counts=layers_per_stage(len(model.layers), n_stages, parallelism.pp_layers_per_stage),
         device=device, parallelize=parallelize, criterion=criterion,
     )

@@ -1,9 +1,11 @@
 """Tensor parallelism (Megatron-style) with sequence parallelism and loss parallelism.
 
-Per transformer block, on a 1-D `tp` mesh of size T:
-  attention  wq, wk, wv column-wise (each rank owns n_heads/T query heads and
-             n_kv_heads/T kv heads), wo row-wise
-  SwiGLU     w1, w3 column-wise, w2 row-wise
+Generic: `apply_tp(model, tp_mesh, plan)` applies a family's `TPPlan` (which
+modules, which styles); the family's `parallelize` builds the plan from the
+styles here. The usual plan, on a 1-D `tp` mesh of size T, per block:
+  attention  q, k, v projections column-wise (each rank owns n_heads/T query
+             heads and n_kv_heads/T kv heads), output projection row-wise
+  MLP        gate and up column-wise, down row-wise
 so each half-block needs one all-reduce in forward and one in backward. With
 sequence parallelism that all-reduce becomes a reduce-scatter + all-gather pair
 (same bytes) and the norms and residual stream in between hold only 1/T of the
@@ -19,12 +21,15 @@ by vocabulary (a DTensor) and the cross-entropy runs on the shards inside
 from __future__ import annotations
 
 import contextlib
+from dataclasses import dataclass, field
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
+    ParallelStyle,
     PrepareModuleInput,
     RowwiseParallel,
     SequenceParallel,
@@ -33,79 +38,103 @@ from torch.distributed.tensor.parallel import (
 from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel
 
 from trainlib.errors import ConfigError
+from trainlib.params import retie, shared_parameters
 
 
-def apply_tp(
-    model: nn.Module,
-    tp_mesh: DeviceMesh,
-    *,
-    sequence_parallel: bool = True,
-    loss_parallel: bool = True,
-    async_tp: bool = False,
-) -> nn.Module:
-    """Shard `model` (a Llama 3 Transformer or one pipeline stage of it) over `tp_mesh`.
+@dataclass
+class TPPlan:
+    """A family's tensor-parallel plan: module paths -> torch ParallelStyle.
+
+    `root` paths are relative to the model (a module that is None, as on
+    pipeline stages that do not own it, is skipped); `block` paths are
+    relative to each block of `model.layers`. The family builds it with the
+    styles below (`activation_layout`, `norm_style`, ...) or any torch style;
+    `apply_tp` applies it. Parameters shared by two modules (tied embeddings)
+    stay shared when both styles shard them alike."""
+
+    root: dict[str, ParallelStyle] = field(default_factory=dict)
+    block: dict[str, ParallelStyle] = field(default_factory=dict)
+
+
+def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, *, async_tp: bool = False) -> nn.Module:
+    """Shard `model` (or one pipeline stage of it) over `tp_mesh` as `plan` says.
 
     Works on the meta device: parameters become DTensors with meta storage and
     are materialised later by `init_model_weights`. Shape rules (heads, kv
-    heads, ffn and vocabulary divisible by the TP degree) are checked by
-    `validate_job` before this runs.
-    """
-    # Activations between blocks: sequence shards under SP, whole otherwise.
-    act = Shard(1) if sequence_parallel else Replicate()
-
-    if model.tok_embeddings is not None:
-        parallelize_module(model.tok_embeddings, tp_mesh,
-                           RowwiseParallel(input_layouts=Replicate(), output_layouts=act))
-    if model.norm is not None:
-        _norm_plan(model.norm, tp_mesh, sequence_parallel)
-    if model.output is not None:
-        parallelize_module(model.output, tp_mesh, ColwiseParallel(
-            input_layouts=act,
-            output_layouts=Shard(-1) if loss_parallel else Replicate(),
-            # Loss parallel needs the DTensor to know the logits are vocab shards.
-            use_local_output=not loss_parallel,
-        ))
-
+    heads, ffn and vocabulary divisible by the TP degree) are the family's
+    `validate`, run by `validate_job` before this."""
+    tied = shared_parameters(model)
+    root = {path: style for path, style in plan.root.items() if _has_module(model, path)}
+    if root:
+        parallelize_module(model, tp_mesh, root)
     for block in model.layers.values():
-        _norm_plan(block.attention_norm, tp_mesh, sequence_parallel)
-        _norm_plan(block.ffn_norm, tp_mesh, sequence_parallel)
-        plan = {
-            "attention.wq": ColwiseParallel(),
-            "attention.wk": ColwiseParallel(),
-            "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(output_layouts=act),
-            "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=act),
-            # One replicated input per sub-block, shared by its column-wise matmuls: under SP the
-            # sequence is all-gathered once (not at each of wq, wk, wv / w1, w3), and in backward the
-            # matmuls' partial input gradients are summed locally, then reduced once (a reduce-scatter
-            # under SP, an all-reduce without: not one per matmul). The rope table and the attention
-            # mask (2nd and 3rd arguments of attention) are plain, whole-sequence values.
-            "attention": PrepareModuleInput(input_layouts=(act, None, None),
-                                            desired_input_layouts=(Replicate(), None, None)),
-            "feed_forward": PrepareModuleInput(input_layouts=(act,), desired_input_layouts=(Replicate(),)),
-        }
-        parallelize_module(block, tp_mesh, plan)
-
+        parallelize_module(block, tp_mesh, plan.block)
+    retie(model, tied)
     if async_tp:
         _enable_async_tp(tp_mesh)
     return model
 
 
-def _norm_plan(norm: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
-    if sequence_parallel:
-        parallelize_module(norm, tp_mesh, SequenceParallel())
-        return
-    # Without SP the norm sees the whole sequence on every rank. Its weight is
-    # still made a replicated DTensor: a plain tensor among DTensors breaks
-    # AdamW's foreach path and gradient clipping, which expect one kind.
-    distribute_module(
-        norm, tp_mesh,
-        input_fn=lambda mod, inputs, mesh: tuple(
-            DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs),
-        output_fn=lambda mod, out, mesh: out.to_local(),
-    )
+def activation_layout(sequence_parallel: bool) -> Placement:
+    """How the residual stream between blocks is held: sequence shards under SP, whole otherwise."""
+    return Shard(1) if sequence_parallel else Replicate()
+
+
+def embedding_style(sequence_parallel: bool) -> ParallelStyle:
+    """A vocab-sharded embedding lookup whose partial sums are reduced (to sequence shards under SP)."""
+    return RowwiseParallel(input_layouts=Replicate(), output_layouts=activation_layout(sequence_parallel))
+
+
+def output_style(sequence_parallel: bool, loss_parallel: bool) -> ParallelStyle:
+    """The output projection, column-wise over the vocabulary. With loss
+    parallelism its logits stay vocab shards (a DTensor, so the loss knows)."""
+    return ColwiseParallel(input_layouts=activation_layout(sequence_parallel),
+                           output_layouts=Shard(-1) if loss_parallel else Replicate(),
+                           use_local_output=not loss_parallel)
+
+
+def norm_style(sequence_parallel: bool) -> ParallelStyle:
+    """A norm of the residual stream: on sequence shards under SP; without SP
+    on the whole sequence, its weight a replicated DTensor all the same (a plain
+    tensor among DTensors breaks AdamW's foreach path and gradient clipping)."""
+    return SequenceParallel() if sequence_parallel else _ReplicatedNorm()
+
+
+def head_norm_style() -> ParallelStyle:
+    """A norm over each head's features inside attention ([b, s, heads, head_dim],
+    QK-norm), whose input holds this rank's heads: its weight is replicated and
+    its gradient, a sum over every rank's heads, is reduced over tp."""
+    return SequenceParallel(sequence_dim=2, use_local_output=True)
+
+
+def block_input_style(sequence_parallel: bool, n_args: int = 1) -> ParallelStyle:
+    """One replicated input per sub-block (attention, MLP), shared by its
+    column-wise matmuls: under SP the sequence is all-gathered once, not at
+    each of wq, wk, wv, and in backward their partial input gradients are
+    summed locally and reduced once. The first of `n_args` positional inputs
+    is the hidden state; the rest (RoPE table, attention mask) are plain."""
+    rest = (None,) * (n_args - 1)
+    return PrepareModuleInput(input_layouts=(activation_layout(sequence_parallel), *rest),
+                              desired_input_layouts=(Replicate(), *rest))
+
+
+class _ReplicatedNorm(ParallelStyle):
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        return distribute_module(
+            module, device_mesh,
+            input_fn=lambda mod, inputs, mesh: tuple(
+                DTensor.from_local(x, mesh, [Replicate()], run_check=False) for x in inputs),
+            output_fn=lambda mod, out, mesh: out.to_local(),
+        )
+
+
+def _has_module(model: nn.Module, path: str) -> bool:
+    module = model
+    for name in path.split("."):
+        module = getattr(module, name, None)
+        if module is None:
+            return False
+    return True
 
 
 def _enable_async_tp(tp_mesh: DeviceMesh) -> None:

@@ -11,16 +11,21 @@ Nothing here imports torch.distributed: parallelism is applied from outside
 
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import dataclass, replace
 
 import torch
-import torch.nn.functional as F
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+from torch.nn.attention.flex_attention import BlockMask
 
 from trainlib.errors import ConfigError
+from trainlib.models import layers
+from trainlib.models.layers import FeedForward, RMSNorm, document_mask
+from trainlib.models.spec import BlockShape
+
+__all__ = ["FLAVORS", "Attention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer", "TransformerBlock",
+           "apply_rope", "block_forward_flops", "block_shapes", "document_mask", "flops_per_token", "get_model_args",
+           "precompute_rope"]
 
 
 @dataclass(frozen=True)
@@ -140,50 +145,7 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2).type_as(x)
 
 
-def document_mask(doc_ids: torch.Tensor, dtype: torch.dtype, q_positions: torch.Tensor | None = None,
-                  flex: bool | None = None) -> torch.Tensor | BlockMask:
-    """Document-causal mask: the query at window position p sees key j iff
-    j <= p and doc_ids[:, j] == doc_ids[:, p].
-
-    doc_ids: [b, S] document index of every position of the whole window.
-    q_positions: [s_q] window positions of the queries, in the order the
-    queries are held (default 0..S-1; context parallelism passes its layout).
-    Keys are always the whole window in order. Returns a flex BlockMask
-    (`flex`, default on CUDA: O(s_q * S / 128^2) memory, masked blocks skipped)
-    or an additive [b, 1, s_q, S] mask of `dtype` for SDPA (elsewhere: one
-    copy shared by every layer, which a boolean mask would not be, since SDPA
-    converts it to a new float tensor per call)."""
-    b, S = doc_ids.shape
-    q_pos = torch.arange(S, device=doc_ids.device) if q_positions is None else q_positions
-    if doc_ids.is_cuda if flex is None else flex:
-        def mask_mod(bi, h, q_idx, kv_idx):
-            p = q_pos[q_idx]
-            return (kv_idx <= p) & (doc_ids[bi, kv_idx] == doc_ids[bi, p])
-
-        # compiled, the block mask is built without materialising [b, s_q, S] booleans
-        build = _compiled(create_block_mask) if doc_ids.is_cuda else create_block_mask
-        return build(mask_mod, b, None, len(q_pos), S, device=doc_ids.device)
-    keys = torch.arange(S, device=doc_ids.device)
-    visible = (keys <= q_pos[:, None]) & (doc_ids[:, None, :] == doc_ids[:, q_pos, None])  # [b, s_q, S]
-    return torch.zeros(visible.shape, dtype=dtype, device=doc_ids.device).masked_fill_(~visible, float("-inf"))[:, None]
-
-
-@functools.cache
-def _compiled(fn):
-    return torch.compile(fn)
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.rms_norm(x.float(), (x.shape[-1],), self.weight.float(), self.eps).type_as(x)
-
-
-class Attention(nn.Module):
+class Attention(layers.Attention):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
@@ -205,33 +167,6 @@ class Attention(nn.Module):
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
         out = self.sdpa(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
-
-    @staticmethod
-    def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
-             ) -> torch.Tensor:
-        """Causal attention, or attention under `mask` (from `document_mask`) when given."""
-        # enable_gqa lets the kernels broadcast kv heads without materialising copies.
-        gqa = q.shape[1] != k.shape[1]
-        if mask is None:
-            return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
-        if isinstance(mask, BlockMask):
-            # Eager flex_attention materialises the scores; compiled it is one fused kernel that skips
-            # the masked blocks. Inside a compiled block the block's own graph compiles it.
-            eager = torch.compiler.is_compiling() or not q.is_cuda
-            return (flex_attention if eager else _compiled(flex_attention))(q, k, v, block_mask=mask, enable_gqa=gqa)
-        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
-
-
-class FeedForward(nn.Module):
-    def __init__(self, dim: int, hidden: int):
-        super().__init__()
-        self.w1 = nn.Linear(dim, hidden, bias=False)  # gate
-        self.w3 = nn.Linear(dim, hidden, bias=False)  # up
-        self.w2 = nn.Linear(hidden, dim, bias=False)  # down
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
-
 
 class TransformerBlock(nn.Module):
     def __init__(self, args: ModelArgs):
@@ -337,6 +272,11 @@ def block_forward_flops(args: ModelArgs, seq_len: int) -> list[tuple[str, float,
             ("wv", 2 * d * args.n_kv_heads * hd, True), ("attention", 4 * args.n_heads * hd * seq_len, False),
             ("wo", 2 * args.n_heads * hd * d, True), ("w1", 2 * d * args.ffn_dim, True),
             ("w3", 2 * d * args.ffn_dim, True), ("w2", 2 * args.ffn_dim * d, True)]
+
+
+def block_shapes(args: ModelArgs) -> list[BlockShape]:
+    """Every block's shape, for the planner (all blocks alike)."""
+    return [BlockShape(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.ffn_dim)] * args.n_layers
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:

@@ -1,57 +1,60 @@
-"""Apply the parallel axes to a Llama 3 model, in one fixed order.
-
-Order (each step assumes the previous ones):
-  1. tensor parallel (+ sequence parallel)   changes module forward layouts
-  2. context parallel                        all-gather CP: each rank gathers K/V over cp
-  3. activation checkpointing                wraps blocks
-  4. torch.compile                           per block, after AC wrapping
-  5. FSDP / HSDP                             last: shards whatever parameters
-                                             (possibly DTensors from TP) exist
-Pipeline parallelism is applied before all of these, by splitting the model
-into stages; each stage is then parallelized with this function.
-"""
+"""Llama 3's parallel plan: its tensor-parallel plan and shape rules, applied
+in the fixed dense order of `trainlib.parallel.apply.parallelize_dense`
+(TP, CP, AC, compile, FSDP; pipeline stages are split before, each stage
+parallelized alike)."""
 
 from __future__ import annotations
 
-import torch
+from collections.abc import Mapping
+
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from trainlib.parallel.ac import ActivationCheckpointConfig, apply_ac
-from trainlib.parallel.compile import CompileConfig, apply_compile
+from trainlib.errors import ConfigError
+from trainlib.parallel.apply import parallelize_dense
 from trainlib.parallel.config import ParallelismConfig
-from trainlib.parallel.cp import apply_cp
-from trainlib.parallel.fsdp import apply_fsdp, reshard_after_forward
 from trainlib.parallel.parallel_dims import ParallelDims
-from trainlib.parallel.tp import apply_tp
+from trainlib.parallel.tp import TPPlan, activation_layout, block_input_style, embedding_style, norm_style, output_style
 
 
-def parallelize_llama(
-    model: nn.Module,
-    parallel_dims: ParallelDims,
-    parallelism: ParallelismConfig,
-    *,
-    param_dtype: torch.dtype = torch.float32,
-    reduce_dtype: torch.dtype = torch.float32,
-    ac: ActivationCheckpointConfig | None = None,
-    compile: CompileConfig | None = None,
-) -> nn.Module:
-    if parallel_dims.tp_enabled:
-        apply_tp(model, parallel_dims.mesh("tp"), sequence_parallel=parallelism.tp_sequence_parallel,
-                 loss_parallel=parallelism.tp_loss_parallel, async_tp=parallelism.tp_async)
-    if parallel_dims.cp_enabled:
-        apply_cp(model, parallel_dims.mesh("cp"), load_balance=parallelism.cp_load_balance)
-    if ac is not None:
-        apply_ac(model, ac.mode, every_k=ac.every_k, selective_op_policy=ac.selective_op_policy)
-    if compile is not None and compile.enable:
-        apply_compile(model, backend=compile.backend)
-    if parallel_dims.uses_fsdp(param_dtype):
-        apply_fsdp(
-            model,
-            parallel_dims.fsdp_mesh(),
-            param_dtype=param_dtype,
-            reduce_dtype=reduce_dtype,
-            reshard_after_forward=reshard_after_forward(parallelism.fsdp_reshard_after_forward,
-                                                        parallel_dims.pp_enabled),
-            cpu_offload=parallelism.fsdp_cpu_offload,
-        )
-    return model
+def parallelize_llama(model: nn.Module, parallel_dims: ParallelDims, parallelism: ParallelismConfig,
+                      **kwargs) -> nn.Module:
+    """Llama 3's axes in the fixed dense order (trainlib.parallel.apply), with its TP plan (`tp_plan`).
+    Keyword arguments: param_dtype, reduce_dtype, ac, compile (parallelize_dense's)."""
+    return parallelize_dense(model, parallel_dims, parallelism, tp_plan, **kwargs)
+
+
+def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> TPPlan:
+    """Llama's tensor-parallel plan (trainlib.parallel.tp): Megatron's column/row
+    pairs in attention and SwiGLU, norms on sequence shards under SP."""
+    act, norm = activation_layout(sequence_parallel), norm_style(sequence_parallel)
+    return TPPlan(
+        root={"tok_embeddings": embedding_style(sequence_parallel), "norm": norm,
+              "output": output_style(sequence_parallel, loss_parallel)},
+        block={
+            "attention_norm": norm, "ffn_norm": norm,
+            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
+            "attention.wo": RowwiseParallel(output_layouts=act),
+            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+            "feed_forward.w2": RowwiseParallel(output_layouts=act),
+            # attention(x, rope, mask): the rope table and mask are plain, whole-sequence values
+            "attention": block_input_style(sequence_parallel, n_args=3),
+            "feed_forward": block_input_style(sequence_parallel),
+        })
+
+
+def validate_degrees(args, degrees: Mapping[str, int], seq_len: int) -> None:
+    """Llama's shape rules for the parallel degrees (ModelSpec.validate)."""
+    tp, pp = degrees.get("tp", 1), degrees.get("pp", 1)
+    if args.tie_embeddings and pp > 1:
+        raise ConfigError(
+            f"this Llama flavor ties the embedding and output weights, which live on the first and last pipeline "
+            f"stages (pp={pp}); use pp=1 with it, or a flavor without tied embeddings")
+    if tp > 1:
+        for what, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads),
+                            ("ffn_dim", args.ffn_dim), ("vocab_size", args.vocab_size)):
+            if value % tp:
+                raise ConfigError(
+                    f"model {what} ({value}) must be divisible by parallelism.tp ({tp}): each TP rank owns "
+                    f"1/tp of them{' (GQA: kv heads are not replicated)' if what == 'n_kv_heads' else ''}; "
+                    f"choose tp dividing {value}")

@@ -16,10 +16,18 @@ rows. `_meta_to_hf` / `_hf_to_meta` apply that permutation (and its inverse).
 
 from __future__ import annotations
 
+import json
+from dataclasses import replace
+from pathlib import Path
+
 import torch
 
 from trainlib.errors import ConfigError
 from trainlib.models.llama3.model import ModelArgs
+
+# config.json `architectures` this family reads (trainlib.checkpoint.hf picks the family by them).
+ARCHITECTURES = ("LlamaForCausalLM",)
+MODEL_TYPE = "llama"
 
 _LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
@@ -69,6 +77,10 @@ def _hf_to_meta(w: torch.Tensor, n_heads: int) -> torch.Tensor:
 
 
 def args_from_hf_config(cfg: dict) -> ModelArgs:
+    archs = cfg.get("architectures") or []
+    if archs and not any(a in ARCHITECTURES for a in archs):
+        raise ConfigError(f"HF config of architecture {archs} is not a Llama ({', '.join(ARCHITECTURES)}); "
+                          f"use the family that reads it")
     rope = cfg.get("rope_scaling") or cfg.get("rope_parameters") or {}
     theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))
     llama3 = rope.get("rope_type", rope.get("type")) == "llama3"
@@ -161,3 +173,28 @@ def trainlib_weight_to_hf(name: str, t: torch.Tensor, args: ModelArgs) -> torch.
     rotate-half order, the rest as it is."""
     heads = _rotary_heads(name, args)
     return t if heads is None else _meta_to_hf(t, heads)
+
+
+# --------------------------------------------------------------------------- Meta's reference format
+
+
+def read_meta_checkpoint(file: Path, expected: ModelArgs) -> tuple[ModelArgs, dict[str, torch.Tensor]]:
+    """(the shape it holds, its weights) of a single-file Meta reference
+    checkpoint (`consolidated.00.pth` [+ params.json beside it]). Its names and
+    rotary layout are trainlib's own: no renaming, no permutation. The head
+    counts come from params.json where there is one (the weights alone cannot
+    tell them), else from `expected`, as do the rotary settings."""
+    sd = torch.load(file, map_location="cpu", weights_only=True, mmap=True)
+    if "output.weight" not in sd and "tok_embeddings.weight" in sd:
+        sd["output.weight"] = sd["tok_embeddings.weight"]
+    heads, kv = expected.n_heads, expected.n_kv_heads
+    params = Path(file).parent / "params.json"
+    if params.is_file():
+        p = json.loads(params.read_text())
+        heads = p.get("n_heads", heads)
+        kv = p.get("n_kv_heads", heads)
+    w1 = sd["layers.0.feed_forward.w1.weight"]
+    n_layers = 1 + max(int(k.split(".")[1]) for k in sd if k.startswith("layers."))
+    args = replace(expected, dim=w1.shape[1], n_layers=n_layers, n_heads=heads, n_kv_heads=kv, ffn_dim=w1.shape[0],
+                   vocab_size=sd["tok_embeddings.weight"].shape[0])
+    return args, sd

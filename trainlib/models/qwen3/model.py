@@ -1,0 +1,296 @@
+"""Qwen3 (dense) as plain single-device PyTorch.
+
+The same layout rules as `trainlib.models.llama3.model`, so the generic
+runtime (parallelism, checkpoints, loss, planner) drives either family:
+- blocks live in an `nn.ModuleDict` keyed by their global index ("0", "1", ...),
+  so a pipeline stage deletes the blocks it does not own and the remaining
+  parameter names (the checkpoint keys) stay the same;
+- `tok_embeddings`, `norm` and `output` may be None on pipeline stages that do
+  not own them; `forward` skips what is missing;
+- nothing here imports torch.distributed.
+
+What differs from Llama 3:
+- `head_dim` is its own setting: the published shapes do not all have
+  head_dim == dim / n_heads (Qwen3-32B: dim 5120, 64 heads of 128);
+- QK-norm: queries and keys get an RMSNorm over each head's features (one
+  weight of head_dim, shared by the heads) after the projection and before
+  RoPE, which keeps attention logits bounded without a softcap;
+- RoPE rotates the two halves of each head (x_i with x_{i + head_dim/2}), the
+  layout Qwen's own checkpoints were trained in, so Hugging Face weights load
+  as they are (Llama's adjacent-pair layout needs wq/wk rows permuted);
+- no Llama 3.1 frequency scaling.
+"""
+
+from __future__ import annotations
+
+import difflib
+import math
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
+
+from trainlib.errors import ConfigError
+from trainlib.models import layers
+from trainlib.models.layers import FeedForward, RMSNorm, document_mask
+from trainlib.models.spec import BlockShape
+
+__all__ = ["FLAVORS", "Attention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer", "TransformerBlock",
+           "apply_rope", "block_forward_flops", "block_shapes", "document_mask", "flops_per_token", "get_model_args",
+           "precompute_rope"]
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int
+    vocab_size: int
+    norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    max_seq_len: int = 40960
+    tie_embeddings: bool = False
+
+    def validate(self) -> None:
+        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "max_seq_len"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.{key} must be >= 1, got {getattr(self, key)}")
+        if self.n_heads % self.n_kv_heads:
+            divisors = ", ".join(str(d) for d in range(1, self.n_heads + 1) if self.n_heads % d == 0)
+            raise ConfigError(f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads "
+                              f"({self.n_kv_heads}) for grouped-query attention: set n_kv_heads to one of "
+                              f"{divisors}")
+        if self.head_dim % 2:
+            raise ConfigError(f"model.head_dim ({self.head_dim}) must be even for rotary embeddings, which "
+                              f"rotate pairs of features: set an even head_dim (e.g. {self.head_dim + 1})")
+        if not self.norm_eps > 0:
+            raise ConfigError(f"model.norm_eps must be > 0, got {self.norm_eps} (Qwen3 uses 1e-6)")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"model.rope_theta must be > 0, got {self.rope_theta} (Qwen3 uses 1e6)")
+
+
+# Published shapes, from the config.json of each Qwen/Qwen3-* repository on the
+# Hugging Face hub (max_seq_len is the post-trained models' 40960; the -Base
+# models state 32768). `debug` and `debug_tied` are ours: they train in seconds
+# on CPU and keep what the code paths need to see: GQA, head_dim != dim /
+# n_heads, and (debug_tied) tied embeddings; `debug` runs every parallel layout.
+FLAVORS: dict[str, ModelArgs] = {
+    "debug": ModelArgs(
+        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=192, vocab_size=512,
+        max_seq_len=4096,
+    ),
+    # the small flavors' tied embeddings (tensor parallel shards the one matrix; pipeline parallel refuses it)
+    "debug_tied": ModelArgs(
+        dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=192, vocab_size=512,
+        max_seq_len=4096, tie_embeddings=True,
+    ),
+    "qwen3_0.6b": ModelArgs(
+        dim=1024, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=3072, vocab_size=151936,
+        tie_embeddings=True,
+    ),
+    "qwen3_1.7b": ModelArgs(
+        dim=2048, n_layers=28, n_heads=16, n_kv_heads=8, head_dim=128, ffn_dim=6144, vocab_size=151936,
+        tie_embeddings=True,
+    ),
+    "qwen3_4b": ModelArgs(
+        dim=2560, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=9728, vocab_size=151936,
+        tie_embeddings=True,
+    ),
+    "qwen3_8b": ModelArgs(
+        dim=4096, n_layers=36, n_heads=32, n_kv_heads=8, head_dim=128, ffn_dim=12288, vocab_size=151936,
+    ),
+    "qwen3_14b": ModelArgs(
+        dim=5120, n_layers=40, n_heads=40, n_kv_heads=8, head_dim=128, ffn_dim=17408, vocab_size=151936,
+    ),
+    "qwen3_32b": ModelArgs(
+        dim=5120, n_layers=64, n_heads=64, n_kv_heads=8, head_dim=128, ffn_dim=25600, vocab_size=151936,
+    ),
+}
+
+
+def get_model_args(flavor: str, **overrides) -> ModelArgs:
+    if flavor not in FLAVORS:
+        close = difflib.get_close_matches(flavor, FLAVORS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"unknown model.flavor '{flavor}' for model.name 'qwen3'{hint} "
+                          f"(valid: {', '.join(FLAVORS)})")
+    args = replace(FLAVORS[flavor], **{k: v for k, v in overrides.items() if v is not None})
+    args.validate()
+    return args
+
+
+def precompute_rope(args: ModelArgs, seq_len: int, device=None) -> torch.Tensor:
+    """cos/sin table of shape [seq_len, head_dim // 2, 2] in fp32: entry
+    [p, i] holds the angle of position p for the feature pair
+    (i, i + head_dim // 2). Real-valued, as Llama's, so it can live on the
+    meta device and travel through DTensor code and torch.compile."""
+    half = args.head_dim // 2
+    # Angles in fp64, then rounded once: at long positions an fp32 product
+    # position * inv_freq is off by whole fractions of a radian.
+    inv_freq = 1.0 / (args.rope_theta ** (torch.arange(0, half, device=device, dtype=torch.float64) / half))
+    angles = torch.outer(torch.arange(seq_len, device=device, dtype=torch.float64), inv_freq)
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+    """x: [b, s, h, d]; rope: [s, d/2, 2] or [b, s, d/2, 2]. Rotates feature i
+    with feature i + d/2 (rotate-half layout), computed in fp32."""
+    if rope.dim() == 3:
+        rope = rope.unsqueeze(0)
+    cos, sin = rope[..., 0].unsqueeze(2), rope[..., 1].unsqueeze(2)  # [b|1, s, 1, d/2]
+    x1, x2 = x.float().chunk(2, dim=-1)
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
+
+
+class Attention(layers.Attention):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
+        self.wq = nn.Linear(args.dim, args.n_heads * self.head_dim, bias=False)
+        self.wk = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wv = nn.Linear(args.dim, args.n_kv_heads * self.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_heads * self.head_dim, args.dim, bias=False)
+        # One weight of head_dim for all heads: under tensor parallelism every
+        # rank holds it whole, whatever slice of the heads it computes.
+        self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
+        self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+                ) -> torch.Tensor:
+        b, s, _ = x.shape
+        # -1 instead of the head counts: under tensor parallelism each rank
+        # holds a slice of the heads, and the same code must run unchanged.
+        q = self.q_norm(self.wq(x).view(b, s, -1, self.head_dim))
+        k = self.k_norm(self.wk(x).view(b, s, -1, self.head_dim))
+        v = self.wv(x).view(b, s, -1, self.head_dim)
+        rope = rope[:s] if rope.dim() == 3 else rope  # [max_len, ...] table or per-token [b, s, ...]
+        q, k = apply_rope(q, rope), apply_rope(k, rope)
+        q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]
+        out = self.sdpa(q, k, v, mask)
+        return self.wo(out.transpose(1, 2).reshape(b, s, -1))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+                ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, mask)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs, rope_len: int | None = None):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
+        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
+        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        # False: forward returns the final norm's hidden states and the loss
+        # applies `self.output` itself, chunk by chunk (trainlib.loss), so the
+        # whole [tokens, vocab] logits never exist.
+        self.output_in_forward = True
+        # Non-persistent: derived from args, so it stays out of checkpoints and
+        # is rebuilt by `init_buffers` after the meta-device build.
+        self.rope_len = rope_len or args.max_seq_len
+        self.register_buffer("rope", precompute_rope(args, self.rope_len), persistent=False)
+
+    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
+                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """tokens: [b, s] token ids (or [b, s, dim] hidden states on a non-first
+        pipeline stage). position_ids: optional [b, s] positions for RoPE; by
+        default 0..s-1. doc_ids: optional [b, S] document index of every
+        position of the whole window (S = s unless the sequence is split
+        across ranks); when given, attention is document-causal. Returns
+        logits [b, s, vocab] (or hidden states on a non-last pipeline stage,
+        or when `output_in_forward` is False)."""
+        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        # built once per forward, shared by every block
+        mask = self.attention_mask(doc_ids, h.dtype) if doc_ids is not None else None
+        # The whole table goes down and is sliced in Attention, where the
+        # sequence is whole: under sequence parallelism `h` here holds only
+        # this rank's slice of the sequence.
+        rope = self.rope[position_ids] if position_ids is not None else self.rope
+        for layer in self.layers.values():
+            h = layer(h, rope, mask)
+        h = self.norm(h) if self.norm is not None else h
+        return self.output(h) if self.output is not None and self.output_in_forward else h
+
+    def attention_mask(self, doc_ids: torch.Tensor, dtype: torch.dtype,
+                       q_positions: torch.Tensor | None = None) -> torch.Tensor | BlockMask:
+        """The `mask` every block's attention takes (`document_mask`). Context
+        parallelism rebinds it per instance to give its queries' positions."""
+        return document_mask(doc_ids, dtype, q_positions)
+
+    # ---- initialisation -------------------------------------------------
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        self.rope = precompute_rope(self.args, self.rope_len, device=device)
+
+    def param_init_spec(self, name: str) -> tuple[str, float]:
+        """How the parameter called `name` (a checkpoint key) is initialised:
+        ("ones", 0) or ("trunc_normal", std), as data so that a distributed
+        initialiser generates the same values for any sharding
+        (trainlib.parallel.init). Llama's scheme; the QK-norm gains start at 1
+        like every other norm."""
+        if name.endswith("norm.weight"):
+            return ("ones", 0.0)
+        if name == "tok_embeddings.weight":
+            # Tied, the one matrix is also the output projection: its scale.
+            return ("trunc_normal", 1.0 if not self.args.tie_embeddings else self.args.dim**-0.5)
+        if name == "output.weight":
+            return ("trunc_normal", self.args.dim**-0.5)
+        # Residual-branch outputs scaled by depth (GPT-2 / TorchTitan depth-init)
+        # so activations do not grow with the number of layers.
+        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
+            return ("trunc_normal", 0.02 / math.sqrt(2 * self.args.n_layers))
+        return ("trunc_normal", 0.02)
+
+    @torch.no_grad()
+    def init_weights(self, seed: int = 0) -> None:
+        """Single-device initialisation, identical to what
+        `trainlib.parallel.init.init_model_weights` gives for any layout."""
+        from trainlib.params import init_param_
+
+        self.init_buffers(device=self.rope.device if self.rope.device.type != "meta" else None)
+        for name, p in self.named_parameters():
+            init_param_(p, self.param_init_spec(name), seed, name)
+
+
+def block_forward_flops(args: ModelArgs, seq_len: int) -> list[tuple[str, float, bool]]:
+    """One block's forward FLOPs per token, op by op in the order forward runs
+    them: (name, FLOPs, is a matmul), named as Llama's. The projections use
+    n_heads * head_dim, which need not be dim. Attention's score and value
+    products count 4 * heads * head_dim * seq (no causal discount, see
+    flops_per_token); the norms (QK-norm included) are elementwise and not
+    counted."""
+    hd, d = args.head_dim, args.dim
+    return [("wq", 2 * d * args.n_heads * hd, True), ("wk", 2 * d * args.n_kv_heads * hd, True),
+            ("wv", 2 * d * args.n_kv_heads * hd, True), ("attention", 4 * args.n_heads * hd * seq_len, False),
+            ("wo", 2 * args.n_heads * hd * d, True), ("w1", 2 * d * args.ffn_dim, True),
+            ("w3", 2 * d * args.ffn_dim, True), ("w2", 2 * args.ffn_dim * d, True)]
+
+
+def block_shapes(args: ModelArgs) -> list[BlockShape]:
+    """Every block's shape, for the planner (all blocks alike)."""
+    return [BlockShape(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.ffn_dim)] * args.n_layers
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward): the blocks'
+    matmuls and attention (block_forward_flops) and the output projection; the
+    embedding is a lookup. Causal masking is not discounted (the PaLM-appendix
+    convention), as for Llama, so MFU numbers compare across families."""
+    block = sum(flops for _, flops, _ in block_forward_flops(args, seq_len))
+    return 3 * (args.n_layers * block + 2 * args.vocab_size * args.dim)
