@@ -15,12 +15,16 @@ What it does, in this order (`core.make_plan`):
    DTensors: exact. Gradients and AdamW state follow from them (`memory`).
 4. Estimates what is not a parameter with stated formulas (`memory`:
    activations, logits/loss, FSDP all-gather buffers), communication per
-   axis (`comm`), FLOPs and a step time.
+   axis (`comm`), and the step's work by kind (`speed`: GEMM and attention
+   FLOPs, memory-bound bytes), each at a rate fitted to measured steps
+   (`calibration`), for a step time.
 
-Modules: `hardware` (GPUs, assumptions, links), `memory`, `comm`, `core`
-(the plan), `search` (--suggest), `cli`. The formulas and their validation
-are written in docs/planner.md; the constants a user may want to change are in
-`trainlib.hardware.GPUS` and `hardware.ASSUMPTIONS`, printed with every plan.
+Modules: `hardware` (GPUs, assumptions, links), `memory`, `comm`, `speed`,
+`calibration` (the measured rows and the fit: `python -m
+trainlib.plan.calibration`), `core` (the plan), `search` (--suggest), `cli`.
+The formulas and their validation are written in docs/planner.md; the
+constants a user may want to change are in `trainlib.hardware.GPUS` and
+`hardware.ASSUMPTIONS`, printed with every plan.
 """
 
 from trainlib.plan.cli import format_plan, main

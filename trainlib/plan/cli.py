@@ -45,15 +45,27 @@ def format_plan(p: Plan) -> str:
         lines.append("  none")
     lines += [
         "",
-        f"FLOPs per rank per step {p.flops_per_step_per_rank:.3e} -> compute {p.compute_seconds:.3f} s at "
-        f"{p.assumptions['achieved_fraction_of_peak']:.0%} of {GPUS[p.gpu].bf16_tflops:.0f} TFLOPs"
+        f"FLOPs per rank per step {p.flops_per_step_per_rank:.3e} -> compute {p.compute_seconds:.3f} s"
         + (f"; pipeline bubble {p.bubble_fraction:.0%}" if p.bubble_fraction else ""),
+        *_compute_lines(p),
         f"predicted step {p.step_seconds:.3f} s | {p.tokens_per_second_per_gpu:,.0f} tokens/s/GPU | MFU {p.mfu:.1%}",
         f"peak memory {p.max_total_bytes / GiB:.1f} GiB of {GPUS[p.gpu].memory_gib:.0f} GiB: "
         + ("fits" if p.fits else "DOES NOT FIT"),
     ]
     lines += [f"warning: {w}" for w in p.warnings]
     return "\n".join(lines)
+
+
+def _compute_lines(p: Plan) -> list[str]:
+    """The compute time by kind of work, each at its rate (trainlib.plan.speed)."""
+    from trainlib.plan.speed import memory_bytes_per_second
+
+    hw, A, terms = GPUS[p.gpu], p.assumptions, p.step_terms
+    memory = {k: v for k, v in terms.items() if k not in ("gemm", "attention")}
+    return [f"  GEMMs {terms['gemm']:.3f} s at {A['gemm_efficiency']:.0%} of {hw.bf16_tflops:.0f} TFLOPs"
+            f" | attention {terms['attention']:.3f} s"
+            f" | memory-bound {sum(memory.values()):.3f} s at {memory_bytes_per_second(hw, A) / 1e12:.2f} TB/s: "
+            + ", ".join(f"{k} {v:.3f}" for k, v in memory.items())]
 
 
 def format_suggestions(rows: list[dict], recipe: str | None, world_size: int, gpu: str) -> str:

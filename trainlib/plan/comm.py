@@ -37,7 +37,7 @@ def comm_bytes(s: StepShape, *, fsdp_degree: int, dp_replicate: int, grad_accum:
     norm weights, which TP replicates, are pending sums over tp: FSDP's post-backward all-reduces them per
     micro-batch in the compute dtype (from torch 2.15: in the reduce dtype, as often as FSDP reduces),
     `clip_grad_norm_` once per step without FSDP (`tp_grad_all_reduce`)."""
-    a, tp, pp, cp = s.args, s.tp, s.pp, s.cp
+    tp, pp, cp = s.tp, s.pp, s.cp
     comm: dict[str, float] = {}
     micro_steps = grad_accum if pp == 1 else 1
     # Per pipeline rank, what one tp rank holds of its blocks and of its root, unsharded by FSDP.
@@ -62,7 +62,7 @@ def comm_bytes(s: StepShape, *, fsdp_degree: int, dp_replicate: int, grad_accum:
                 reduces, elem = mbs_per_step, s.elem
             comm["tp_grad_all_reduce"] = reduces * 2 * ring_bytes(tp, elem * max(r.tp_replicated for r in ranks))
     if pp > 1:
-        act = s.elem * s.mb_tokens * a.dim / (tp if s.sp else 1)
+        act = s.elem * s.mb_tokens * s.dim / (tp if s.sp else 1)
         owners = [rank for _, rank in sorted((stage, r.pp_rank) for r in ranks for stage in r.stage_ids)]
         comm["pp_p2p"] = act * pp_sends(owners) * mbs_per_step
     if cp > 1:
@@ -82,13 +82,12 @@ def tp_bytes(s: StepShape, ac, blocks: int, has_embedding: bool, has_output: boo
     output projection's input (SP's gather, or the all-reduce of its input gradient) are 2 units each,
     forward and backward together. Without loss parallelism the [tokens, vocab] logits are all-gathered
     as well."""
-    a = s.args
-    unit = ring_bytes(s.tp, s.elem * s.mb_tokens * a.dim)
+    unit = ring_bytes(s.tp, s.elem * s.mb_tokens * s.dim)
     rerun = 3 if s.sp else 2
     recompute = {"none": 0, "full": rerun, "selective_layer": rerun / ac.every_k, "selective_op": 2}[ac.mode]
     sent = (8 + recompute) * unit * blocks + 2 * unit * (has_embedding + has_output)
     if has_output and not s.loss_parallel:
-        sent += ring_bytes(s.tp, s.elem * s.mb_tokens * a.vocab_size)
+        sent += ring_bytes(s.tp, s.elem * s.mb_tokens * s.vocab_size)
     return sent
 
 
@@ -108,8 +107,7 @@ def cp_bytes(s: StepShape, ac, blocks: int) -> float:
     """Bytes one rank sends over `cp` per micro-batch: per block the all-gather of this rank's K and V
     (again where AC recomputes the block: every AC mode reruns it, selective_op included) and the
     reduce-scatter of their gradients, (cp - 1) times the local K and V each."""
-    a = s.args
-    kv = 2 * s.elem * s.mb_tokens * a.n_kv_heads * a.head_dim / s.tp  # this rank's K and V
+    kv = 2 * s.elem * s.mb_tokens * s.block.n_kv_heads * s.block.head_dim / s.tp  # this rank's K and V
     recompute = {"none": 0, "full": 1, "selective_layer": 1 / ac.every_k, "selective_op": 1}[ac.mode]
     return (2 + recompute) * (s.cp - 1) * kv * blocks
 

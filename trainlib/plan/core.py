@@ -13,10 +13,13 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from trainlib.plan.comm import comm_bytes, comm_seconds
 from trainlib.plan.hardware import ASSUMPTIONS, GPUS, GiB, axis_intra_node
-from trainlib.plan.memory import DTYPE_BYTES, StepShape, rank_memory, state_bytes
+from trainlib.plan.memory import (DTYPE_BYTES, StepShape, optimizer_state_dtype, rank_memory, state_bytes,
+                                  weight_copy_bytes)
+from trainlib.plan.speed import memory_bytes_per_second, step_work, term_seconds
 
 
 @dataclass
@@ -49,8 +52,8 @@ class Plan:
     stages: list[StagePlan]
     comm_bytes: dict[str, float]  # per rank per step, bytes sent
     comm_seconds: dict[str, float]
-    flops_per_step_per_rank: float
-    compute_seconds: float
+    flops_per_step_per_rank: float  # useful + AC rerun, attention counted whole (MFU's convention)
+    compute_seconds: float  # the sum of step_terms
     bubble_fraction: float
     step_seconds: float
     tokens_per_second_per_gpu: float
@@ -59,6 +62,10 @@ class Plan:
     fits: bool
     assumptions: dict
     warnings: list[str] = field(default_factory=list)
+    # The step's work per rank by kind (trainlib.plan.speed.StepWork: FLOPs, score elements, bytes) and
+    # the seconds of each kind at its fitted rate: "gemm", "attention", and one per memory-bound kind.
+    step_work: dict[str, float] = field(default_factory=dict)
+    step_terms: dict[str, float] = field(default_factory=dict)
 
 
 # ---- the build, on a fake process group --------------------------------------------------------------------------
@@ -73,14 +80,18 @@ class RankBuild:
     layers: list[int]
     has_embedding: bool
     has_output: bool
-    state: dict[str, int]  # state_bytes of its parts
+    state: dict[str, int]  # state_bytes of its parts, and its weight copies' bytes (weight_copy_bytes)
     # Elements one tp rank holds before FSDP shards them (`_per_tp_rank`): of one of its blocks (0 without
     # blocks), and of its parameters outside the blocks (embedding, final norm, output).
     block_params: int
     root_params: int
     tp_replicated: int  # elements of its parameters TP replicates over tp (the norm weights); 0 without TP
-    # Converted float8 linears by their module's own name ("wq", ..., "output"): how many of each it holds,
-    # and the size (trainlib.float8.linear_size) of the matmul one tp rank runs for it.
+    # Elements one tp rank holds of the weights of its linears in blocks, and of its output projection's
+    # weight (0 where it has none): what casts to the compute dtype (trainlib.plan.speed).
+    block_linear_params: int
+    output_params: int
+    # Converted float8 linears by their module's own name (the output projection by ModelSpec.output_module): how
+    # many of each it holds, and the size (trainlib.float8.linear_size) of the matmul one tp rank runs for it.
     float8_linears: dict[str, int] = field(default_factory=dict)
     float8_sizes: dict[str, float] = field(default_factory=dict)
 
@@ -94,6 +105,8 @@ class Build:
     n_microbatches: int
     ranks: list[RankBuild]
     groups: dict[str, list[list[int]]]  # every rank group of each axis (and "fsdp": dp_shard x cp)
+    autocast: bool  # the forward runs under torch.autocast over fp32 weights (a job of one rank)
+    weight_copies: bool  # and its linears read one bf16 weight copy per step (trainlib.precision)
 
     @property
     def block_params(self) -> int:
@@ -127,6 +140,7 @@ def _build_rank(cfg, world_size: int, rank: int) -> tuple[RankBuild, dict, list[
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from trainlib.build import build_model_parts
+    from trainlib.models.registry import get_model_spec
     from trainlib.parallel import ParallelDims
 
     if dist.is_initialized():
@@ -145,14 +159,23 @@ def _build_rank(cfg, world_size: int, rank: int) -> tuple[RankBuild, dict, list[
             n_params=built.n_params, fsdp=any(isinstance(part, FSDPModule) for part in parts),
             n_stages=pipe.stages[0].num_stages if pipe else 1, stages_per_rank=len(stage_ids),
             n_microbatches=pipe.n_microbatches if pipe else 1,
-            groups={**{a: dims.rank_groups(a) for a in dims.degrees()}, "fsdp": dims.rank_groups("dp_shard_cp")})
+            groups={**{a: dims.rank_groups(a) for a in dims.degrees()}, "fsdp": dims.rank_groups("dp_shard_cp")},
+            autocast=built.autocast_dtype is not None,
+            weight_copies=getattr(built, "weight_copies", None) is not None)
+        linears = [(name, m) for part in parts for name, m in part.named_modules() if isinstance(m, nn.Linear)]
+        roots = get_model_spec(cfg.model.name).stage_roots
         rank_build = RankBuild(pp_rank, stage_ids, [int(i) for part in parts for i in part.layers],
-                               any(part.tok_embeddings is not None for part in parts),
-                               any(part.output is not None for part in parts), state_bytes(parts),
+                               any(getattr(part, name) is not None for part in parts for name in roots.first),
+                               any(getattr(part, name) is not None for part in parts for name in roots.last),
+                               {**state_bytes(parts, optimizer_state_dtype(cfg)),
+                                "weight_copies": weight_copy_bytes(parts)},
                                sum(_per_tp_rank(p) for p in blocks[0].parameters()) if blocks else 0,
                                sum(_per_tp_rank(p) for part in parts for name, p in part.named_parameters()
                                    if not name.startswith("layers.")),
                                sum(p.numel() for part in parts for p in part.parameters() if _tp_replicated(p)),
+                               sum(_per_tp_rank(m.weight) for name, m in linears if name.startswith("layers.")),
+                               sum(_per_tp_rank(m.weight) for name, m in linears
+                                   if name == get_model_spec(cfg.model.name).output_module),
                                *(_float8_linears(parts) if cfg.float8.enable else ({}, {})))
         return rank_build, facts, [int(r) for r in dims.mesh("pp").mesh.tolist()]
     finally:
@@ -231,29 +254,26 @@ def _ac_label(ac) -> str:
     return ac.mode
 
 
-def step_time(useful_flops: float, recompute_flops: float, hw, assumptions: dict, bubble: float,
-              comm_s: dict[str, float], float8_saved_flops: float = 0.0) -> tuple[float, float, float]:
-    """(FLOPs per rank per step, compute seconds, step seconds) from the useful
-    FLOPs per rank and those activation checkpointing reruns. FSDP, HSDP, PP
-    and CP traffic overlaps compute (prefetch, async p2p); TP's collectives sit
-    between dependent matmuls and are exposed. `float8_saved_flops`: the time
-    float8 matmuls save, as bf16 FLOPs (float8_saved_flops_per_token)."""
-    flops = useful_flops + recompute_flops
-    compute_s = (flops - float8_saved_flops) / (hw.bf16_tflops * 1e12 * assumptions["achieved_fraction_of_peak"])
+def step_time(terms: dict[str, float], bubble: float, comm_s: dict[str, float]) -> tuple[float, float]:
+    """(compute seconds, step seconds) from the seconds of each kind of work
+    (`speed.term_seconds`). FSDP, HSDP, PP and CP traffic overlaps compute
+    (prefetch, async p2p); TP's collectives sit between dependent matmuls and
+    are exposed."""
+    compute_s = sum(terms.values())
     overlapped = sum(v for k, v in comm_s.items() if k != "tp")
-    return flops, compute_s, max(compute_s * (1 + bubble), overlapped) + comm_s.get("tp", 0.0)
+    return compute_s, max(compute_s * (1 + bubble), overlapped) + comm_s.get("tp", 0.0)
 
 
 def float8_saved_flops_per_token(block_ops: list[tuple[str, float, bool]], n_layers: int, head_flops: float,
-                                 converted: dict[str, int], cuts: dict[str, float], ac) -> float:
+                                 converted: dict[str, int], cuts: dict[str, float], ac, head: str) -> float:
     """The bf16 FLOPs per token whose time float8 linears save: a converted
     linear's forward, its two backward matmuls and an AC rerun of its forward
     take (1 - cut) of their bf16 time, `cuts[name]` (float8_cuts; negative
     where the casts cost more than the matmul saves). `block_ops` is one
     block's (name, forward FLOPs, is a matmul), a matmul named as its linear
     module; `converted` counts the converted linears by that name over all
-    blocks, "output" being the projection outside them (`head_flops` forward
-    FLOPs per token)."""
+    blocks, `head` naming the output projection outside them (the family's
+    output_module; `head_flops` forward FLOPs per token)."""
     from trainlib.parallel.ac import recomputed_flops_per_token
 
     if not cuts:
@@ -261,7 +281,7 @@ def float8_saved_flops_per_token(block_ops: list[tuple[str, float, bool]], n_lay
     scaled = [(n, f * (1 - cuts.get(n, 0.0) * converted.get(n, 0) / n_layers) if mm else f, mm)
               for n, f, mm in block_ops]
     forward = n_layers * sum(f - g for (_, f, _), (_, g, _) in zip(block_ops, scaled))
-    forward += head_flops * cuts["output"] if "output" in cuts else 0.0
+    forward += head_flops * cuts[head] if head in cuts else 0.0
     return 3 * forward + (recomputed_flops_per_token(block_ops, n_layers, ac)
                           - recomputed_flops_per_token(scaled, n_layers, ac))
 
@@ -271,11 +291,11 @@ def float8_cuts(cfg, gpu: str, sizes: dict[str, float], assumptions: dict) -> di
     its bf16 matmul time float8 saves on `gpu`. Its matmuls run
     `float8_matmul_speedup` times faster; its casts (amax, scale, cast, and the
     transposed copies backward needs) move `float8_cast_bytes` bytes per token
-    per in and out feature at the GPU's memory bandwidth. Per token the
-    matmuls take 6 * in * out FLOPs and the casts grow as in + out, so the
-    casts' share of the bf16 time is bytes * FLOP/s / (3 * size * bytes/s),
-    the FLOP/s being the planner's achieved bf16 rate: small linears gain
-    little or lose."""
+    per in and out feature at the memory-bound kernels' rate
+    (`speed.memory_bytes_per_second`). Per token the matmuls take 6 * in * out FLOPs and
+    the casts grow as in + out, so the casts' share of the bf16 time is
+    bytes * FLOP/s / (3 * size * bytes/s), the FLOP/s being the planner's
+    achieved GEMM rate (`gemm_efficiency`): small linears gain little or lose."""
     from trainlib.errors import ConfigError
 
     if not cfg.enable or cfg.emulate:
@@ -286,7 +306,7 @@ def float8_cuts(cfg, gpu: str, sizes: dict[str, float], assumptions: dict) -> di
                           f"{hw.name} lacks: the job would refuse it; set float8.enable=false, or plan for "
                           f"another --gpu")
     speedup = assumptions["float8_matmul_speedup"][cfg.recipe]
-    flops_per_byte = hw.bf16_tflops * assumptions["achieved_fraction_of_peak"] / hw.memory_tbps
+    flops_per_byte = hw.bf16_tflops * 1e12 * assumptions["gemm_efficiency"] / memory_bytes_per_second(hw, assumptions)
     cast = assumptions["float8_cast_bytes"][cfg.recipe] * flops_per_byte / 3
     return {name: 1 - 1 / speedup - cast / size for name, size in sizes.items()}
 
@@ -313,10 +333,13 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
     args = model_args(cfg.model)
     validate_job(cfg, dims, args, _tokenizer_vocab(cfg, args))
     local_bs, grad_accum = resolve_local_batch_size(cfg, dims)
+    state_dtype = optimizer_state_dtype(cfg)
 
     b = build_on_fake_world(cfg, world_size)
     mb = local_bs // b.n_microbatches
-    s = StepShape(args=args, pp=dims.pp, tp=dims.tp, cp=dims.cp, sp=dims.tp_enabled and par.tp_sequence_parallel,
+    spec = get_model_spec(cfg.model.name)
+    blocks = tuple(spec.block_shapes(args))
+    s = StepShape(blocks=blocks, dim=blocks[0].dim, vocab_size=args.vocab_size, pp=dims.pp, tp=dims.tp, cp=dims.cp, sp=dims.tp_enabled and par.tp_sequence_parallel,
                   loss_parallel=dims.tp_enabled and par.tp_loss_parallel,
                   elem=DTYPE_BYTES[t.mixed_precision_param], reduce_elem=DTYPE_BYTES[t.mixed_precision_reduce],
                   schedule=par.pp_schedule, n_stages=b.n_stages, stages_per_rank=b.stages_per_rank,
@@ -326,15 +349,16 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
                   loss_chunk_tokens=loss_chunk_tokens(cfg, args.vocab_size, dims.tp, "cuda") if cfg.loss.chunked
                   else None)
     # Gradients outlive a backward where a later micro-batch adds to them. Only
-    # foreach AdamW allocates a parameter-sized temporary; "auto" is fused on
-    # GPUs (trainlib.optim.resolve_implementation).
+    # foreach AdamW allocates a temporary, one second moment's size; "auto" is
+    # fused on GPUs (trainlib.optim.resolve_implementation).
     grads_held = grad_accum > 1 or b.n_microbatches > 1
     foreach = cfg.optimizer.implementation == "foreach"
+    moment_share = DTYPE_BYTES[state_dtype] / DTYPE_BYTES["float32"]  # a moment's bytes per fp32 parameter byte
     stages = []
     for r in b.ranks:
         mem, not_live = rank_memory(s, ac, r.pp_rank, r.stage_ids, r.layers, r.has_embedding, r.has_output,
                                     r.state, A["allocator_overhead"], grads_held=grads_held,
-                                    optimizer_temp=r.state["params"] if foreach else 0.0)
+                                    optimizer_temp=r.state["params"] * moment_share if foreach else 0.0)
         stages.append(StagePlan(r.pp_rank, r.stage_ids, r.layers, r.has_embedding, r.has_output, mem,
                                 sum(v for k, v in mem.items() if k not in not_live), not_live))
 
@@ -344,7 +368,6 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
     comm_s = comm_seconds(comm, intra, hw, A)
     tokens_step = t.global_batch_size * t.seq_len
     bubble = (dims.pp - 1) / (b.n_microbatches * b.stages_per_rank) if dims.pp_enabled else 0.0
-    spec = get_model_spec(cfg.model.name)
     per_token, block_ops = spec.flops_per_token(args, t.seq_len), spec.block_forward_flops(args, t.seq_len)
     useful = per_token * tokens_step / world_size
     rerun = recomputed_flops_per_token(block_ops, args.n_layers, ac)
@@ -355,9 +378,13 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
     cuts = float8_cuts(cfg.float8, gpu, sizes, A)
     # Per token, what the blocks do not account for is the output projection (the embedding is a lookup).
     head = per_token / 3 - args.n_layers * sum(f for _, f, _ in block_ops)
-    saved = float8_saved_flops_per_token(block_ops, args.n_layers, head, converted, cuts, ac)
-    flops, compute_s, step_s = step_time(useful, rerun * tokens_step / world_size, hw, A, bubble, comm_s,
-                                         saved * tokens_step / world_size)
+    saved = float8_saved_flops_per_token(block_ops, args.n_layers, head, converted, cuts, ac, spec.output_module)
+    work = step_work(block_ops=block_ops, head_flops=head, seq_len=t.seq_len, tokens=tokens_step,
+                     world=world_size, s=s, ac=ac, b=b, cfg=cfg, grad_accum=grad_accum,
+                     float8_saved_per_token=saved, assumptions=A)
+    terms = term_seconds(work, hw, A)
+    flops = useful + rerun * tokens_step / world_size
+    compute_s, step_s = step_time(terms, bubble, comm_s)
 
     worst = max(stages, key=lambda st: st.total_bytes)
     fits = worst.total_bytes <= hw.memory_gib * GiB
@@ -379,7 +406,8 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
         n_params=b.n_params, seq_len=t.seq_len, local_batch_size=local_bs, grad_accum=grad_accum, microbatch=mb,
         pp_microbatches=b.n_microbatches, ac=_ac_label(ac),
         intra_node={k: v for k, v in intra.items() if degrees.get(k, 2) > 1}, stages=stages, comm_bytes=comm,
-        comm_seconds=comm_s, flops_per_step_per_rank=flops, compute_seconds=compute_s, bubble_fraction=bubble,
+        comm_seconds=comm_s, flops_per_step_per_rank=flops, compute_seconds=compute_s, step_terms=terms,
+        step_work=work.as_dict(), bubble_fraction=bubble,
         step_seconds=step_s, tokens_per_second_per_gpu=tokens_step / world_size / step_s,
         mfu=useful / step_s / (hw.bf16_tflops * 1e12),
         max_total_bytes=worst.total_bytes, fits=fits, assumptions={**A, "gpu": asdict(hw)}, warnings=warnings,

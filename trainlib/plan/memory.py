@@ -19,12 +19,30 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t.to_local() if isinstance(t, DTensor) else t
 
 
-def state_bytes(model_parts: list[nn.Module]) -> dict[str, int]:
+def optimizer_state_dtype(cfg) -> str:
+    """`optimizer.state_dtype` of a job config ("float32" where its OptimizerConfig has no such key)."""
+    from trainlib.errors import ConfigError
+
+    dtype = getattr(cfg.optimizer, "state_dtype", "float32")
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"optimizer.state_dtype '{dtype}' is not one of {', '.join(DTYPE_BYTES)}")
+    return dtype
+
+
+def weight_copy_bytes(model_parts: list[nn.Module]) -> int:
+    """Bytes of the low-precision weight copies this rank holds (trainlib.precision's `weight_lp`
+    buffers: one bf16 copy of each matmul weight under autocast with training.mixed_precision_weight_copy)."""
+    return sum(_local(b).numel() * b.element_size() for part in model_parts
+               for name, b in part.named_buffers() if name.rsplit(".", 1)[-1] == "weight_lp")
+
+
+def state_bytes(model_parts: list[nn.Module], state_dtype: str | None = None) -> dict[str, int]:
     """Parameter, gradient and AdamW bytes this rank holds: the logical local
     shard sizes (what `to_local()` gives). Gradients have the parameters'
     storage dtype (fp32 under FSDP mixed precision: the sharded master
-    weights); AdamW keeps exp_avg and exp_avg_sq like each parameter plus a
-    4-byte fp32 `step` tensor per parameter."""
+    weights); AdamW keeps exp_avg and exp_avg_sq like each parameter, or in
+    `state_dtype` where given (`optimizer.state_dtype`: "float32",
+    "bfloat16"), plus a 4-byte fp32 `step` tensor per parameter."""
     params = grads = opt = 0
     # parameters() yields a tied parameter once; parts never share one (tied embeddings are refused under PP).
     for part in model_parts:
@@ -33,14 +51,15 @@ def state_bytes(model_parts: list[nn.Module]) -> dict[str, int]:
             b = loc.numel() * loc.element_size()
             params += b
             grads += b if p.requires_grad else 0
-            opt += 2 * b + 4
+            opt += 2 * (loc.numel() * DTYPE_BYTES[state_dtype] if state_dtype else b) + 4
     return {"params": params, "grads": grads, "optimizer": opt}
 
 
 # ---- activations -----------------------------------------------------------------------------------------------------
 
 
-def block_activation_bytes_per_token(args, *, tp: int, sp: bool, elem: int, mode: str, policy: str = "all_mm") -> float:
+def block_activation_bytes_per_token(shape, *, tp: int, sp: bool, elem: int, mode: str, policy: str = "all_mm"
+                                     ) -> float:
     """Bytes one transformer block keeps for backward, per token of the local
     micro-batch, as trainlib's model saves them (measured with saved-tensor
     hooks on CPU, see docs/planner.md):
@@ -51,11 +70,11 @@ def block_activation_bytes_per_token(args, *, tp: int, sp: bool, elem: int, mode
     `full` keeps the block input only; `selective_op` keeps the block input
     plus the matmul outputs (all, or wq/wv/w1/w2 for every_other_mm), the SDPA
     outputs and, under SP, the reduce-scatter outputs."""
-    d, f, hd = args.dim, args.ffn_dim, args.head_dim
-    dq, dkv = args.n_heads * hd / tp, args.n_kv_heads * hd / tp
+    d, f, hd = shape.dim, shape.ffn_dim, shape.head_dim
+    dq, dkv = shape.n_heads * hd / tp, shape.n_kv_heads * hd / tp
     ts = tp if sp else 1
     block_in = elem * d / ts
-    sdpa = elem * dq + 4 * args.n_heads / tp
+    sdpa = elem * dq + 4 * shape.n_heads / tp
     if mode == "full":
         return block_in
     if mode == "selective_op":
@@ -68,17 +87,19 @@ def block_activation_bytes_per_token(args, *, tp: int, sp: bool, elem: int, mode
     return norms + 2 * elem * d + elem * (dq + 2 * dkv) + sdpa + 4 * elem * f / tp
 
 
-def layer_bytes(args, layer_ids: list[int], tokens: float, *, tp, sp, elem, ac) -> tuple[float, float]:
-    """(bytes kept for the given blocks, transient working set of one recomputed block)."""
-    none = block_activation_bytes_per_token(args, tp=tp, sp=sp, elem=elem, mode="none")
+def layer_bytes(blocks, layer_ids: list[int], tokens: float, *, tp, sp, elem, ac) -> tuple[float, float]:
+    """(bytes kept for the given blocks, transient working set of the largest recomputed one);
+    `blocks`: every block's BlockShape by global index."""
     kept = 0.0
     for i in layer_ids:
         mode = ac.mode
         if mode == "selective_layer":
             mode = "full" if i % ac.every_k == 0 else "none"
-        kept += block_activation_bytes_per_token(args, tp=tp, sp=sp, elem=elem, mode=mode,
+        kept += block_activation_bytes_per_token(blocks[i], tp=tp, sp=sp, elem=elem, mode=mode,
                                                  policy=ac.selective_op_policy) * tokens
-    recompute = none * tokens if ac.mode != "none" and layer_ids else 0.0
+    none = max((block_activation_bytes_per_token(blocks[i], tp=tp, sp=sp, elem=elem, mode="none")
+                for i in layer_ids), default=0.0)
+    recompute = none * tokens if ac.mode != "none" else 0.0
     return kept, recompute
 
 
@@ -124,7 +145,9 @@ def microbatches_in_flight(schedule: str, pp: int, pp_rank: int, n_mb: int, per_
 class StepShape:
     """What the memory and communication formulas need of a planned step (per rank)."""
 
-    args: object  # the model's args (dim, ffn_dim, heads, vocab, ...)
+    blocks: tuple  # every block's BlockShape, by global index (the family's ModelSpec.block_shapes)
+    dim: int  # the residual stream's width (the embedding's and the output projection's)
+    vocab_size: int
     pp: int
     tp: int
     cp: int
@@ -142,20 +165,25 @@ class StepShape:
     block_params: int  # elements of one block one tp rank holds, unsharded by FSDP (norm weights whole)
     loss_chunk_tokens: int | None = None  # loss.chunk_tokens under loss.chunked, else None (whole logits)
 
+    @property
+    def block(self):
+        """The widest block (most weights): what the per-block formulas that count blocks but not which
+        (communication, elementwise traffic) price every block by; exact where all blocks are alike."""
+        return max(self.blocks, key=lambda b: b.dim * (b.ffn_dim + (b.n_heads + b.n_kv_heads) * b.head_dim))
+
 
 def activation_bytes(s: StepShape, ac, pp_rank: int, layers: list[int], has_emb: bool,
                      has_out: bool) -> tuple[float, float]:
     """(activations kept at this pipeline rank's peak, one recomputed block's working set)."""
-    a = s.args
     in_flight = microbatches_in_flight(s.schedule, s.pp, pp_rank, s.n_microbatches, s.stages_per_rank)
-    kept, recompute = layer_bytes(a, layers, s.mb_tokens, tp=s.tp, sp=s.sp, elem=s.elem, ac=ac)
+    kept, recompute = layer_bytes(s.blocks, layers, s.mb_tokens, tp=s.tp, sp=s.sp, elem=s.elem, ac=ac)
     # `kept` covers all this rank's layers for one micro-batch; in flight
     # counts one stage's worth, so scale by stages held over stages owned.
     act = kept * in_flight / s.stages_per_rank
     if has_emb:
         act += 8 * s.mb_tokens * in_flight / s.stages_per_rank  # token ids kept by the embedding
     if has_out:  # final norm (as in a block) and the output projection's input
-        act += ((8 * a.dim + 4) / (s.tp if s.sp else 1) + s.elem * a.dim) * s.mb_tokens * in_flight \
+        act += ((8 * s.dim + 4) / (s.tp if s.sp else 1) + s.elem * s.dim) * s.mb_tokens * in_flight \
             / s.stages_per_rank
     return act, recompute
 
@@ -172,10 +200,10 @@ def logits_loss_bytes(s: StepShape, has_out: bool) -> float:
     has not run (all of them under GPipe)."""
     if not has_out:
         return 0.0
-    vocab_local = s.args.vocab_size / (s.tp if s.loss_parallel else 1)
+    vocab_local = s.vocab_size / (s.tp if s.loss_parallel else 1)
     n_held = s.n_microbatches if s.schedule in ("GPipe", "LoopedBFS") and s.pp > 1 else 1
     if s.loss_chunk_tokens is not None:
-        w_numel = s.args.vocab_size / s.tp * s.args.dim  # the weight is vocab-sharded under TP, loss parallel or not
+        w_numel = s.vocab_size / s.tp * s.dim  # the weight is vocab-sharded under TP, loss parallel or not
         acc = max(4, s.elem)  # the sum's dtype: fp32, or the compute dtype where wider (trainlib.loss)
         summing = (acc + (s.elem if s.elem < acc else 0)) * w_numel
         return 12 * min(s.loss_chunk_tokens, s.mb_tokens) * vocab_local + summing + (n_held - 1) * s.elem * w_numel
@@ -193,8 +221,8 @@ def fsdp_unsharded_bytes(s: StepShape, n_layers: int, has_emb: bool, has_out: bo
     still all-gathers (casts) into compute-dtype copies."""
     if not s.fsdp:
         return 0.0
-    a, block = s.args, s.block_params
-    root = (a.vocab_size * a.dim / s.tp) * (int(has_emb) + int(has_out))
+    block = s.block_params
+    root = (s.vocab_size * s.dim / s.tp) * (int(has_emb) + int(has_out))
     n_blocks = min(2, n_layers) if s.reshard else n_layers
     gathered = s.elem * (block * n_blocks + root)
     if s.pp > 1:
@@ -207,7 +235,7 @@ def pp_buffer_bytes(s: StepShape, stage_ids: list[int]) -> float:
     gradient (backward) per micro-batch for each stage that has a neighbour."""
     if s.pp == 1:
         return 0.0
-    act = s.elem * s.mb_tokens * s.args.dim / (s.tp if s.sp else 1)
+    act = s.elem * s.mb_tokens * s.dim / (s.tp if s.sp else 1)
     return sum(s.n_microbatches * act * ((sid != 0) + (sid != s.n_stages - 1)) for sid in stage_ids)
 
 
@@ -234,7 +262,7 @@ def rank_memory(s: StepShape, ac, pp_rank: int, stage_ids: list[int], layers: li
     freed. The overhead is a share of what is live at the larger."""
     act, recompute = activation_bytes(s, ac, pp_rank, layers, has_emb, has_out)
     mem = {"params": state["params"], "grads": state["grads"], "optimizer": state["optimizer"],
-           "fsdp_unsharded": fsdp_unsharded_bytes(s, len(layers), has_emb, has_out), "activations": act,
+           "weight_copies": state.get("weight_copies", 0), "fsdp_unsharded": fsdp_unsharded_bytes(s, len(layers), has_emb, has_out), "activations": act,
            "recompute": recompute, "logits_loss": logits_loss_bytes(s, has_out),
            "pp_buffers": pp_buffer_bytes(s, stage_ids), "optimizer_step": optimizer_temp}
 

@@ -19,13 +19,15 @@ def suggest(recipe: str | None, world_size: int, gpu: str = "h100", overrides: l
     the recipe's global and local batch; drops the layouts the job would
     reject and those that do not fit. Each row carries its overrides ("set")."""
     from trainlib.config import load_job_config
-    from trainlib.models.registry import model_args
+    from trainlib.models.registry import get_model_spec, model_args
 
     overrides = list(overrides or [])
-    args = model_args(load_job_config(recipe, [o if o.startswith("--") else f"--{o}" for o in overrides]).model)
+    model = load_job_config(recipe, [o if o.startswith("--") else f"--{o}" for o in overrides]).model
+    args = model_args(model)
+    kv_heads = min(b.n_kv_heads for b in get_model_spec(model.name).block_shapes(args))  # tp must divide each block's
     node = ASSUMPTIONS["gpus_per_node"]
     results = []
-    for tp in [d for d in _divisors(args.n_kv_heads) if d <= node and world_size % d == 0]:
+    for tp in [d for d in _divisors(kv_heads) if d <= node and world_size % d == 0]:
         for pp in [d for d in _divisors(world_size // tp) if d <= min(args.n_layers, 16)]:
             for cp in [c for c in (1, 2, 4) if (world_size // (tp * pp)) % c == 0]:
                 rest = world_size // (tp * pp * cp)
