@@ -98,8 +98,10 @@ def test_import_export_roundtrip_logits(tmp_path, family, shape, shard):
 
 @pytest.mark.parametrize("family,recipe,shape,layout", [
     ("llama", "debug", DEBUG_SHAPE, ["--parallelism.dp_shard=2"]),
-    ("qwen3", "debug_qwen3", QWEN3_DEBUG, ["--parallelism.dp_shard=1", "--parallelism.tp=2"]),
-], ids=["llama_fsdp2", "qwen3_tp2"])
+    # tied embeddings under TP: the lookup and the output projection shard the one matrix
+    ("qwen3", "debug_qwen3", {**QWEN3_DEBUG, "tie_word_embeddings": True},
+     ["--parallelism.dp_shard=1", "--parallelism.tp=2", "--model.flavor=debug_tied"]),
+], ids=["llama_fsdp2", "qwen3_tied_tp2"])
 def test_train_from_hf_and_export_hf(tmp_path, family, recipe, shape, layout):
     """Recipe keys: start from an HF folder, train sharded (FSDP2, TP2), export
     HF at the end from the sharded checkpoint; the first loss is the HF model's loss."""
