@@ -23,6 +23,7 @@ from trainlib.loss import chunked_cross_entropy_sum, cross_entropy_sum, resolve_
 from trainlib.models import count_params
 from trainlib.models.registry import get_model_spec, model_args
 from trainlib.parallel.compile import maybe_compile_loss
+from trainlib.parallel.mixed_precision import autocast_dtype, fsdp_wraps
 from trainlib.parallel.parallel_dims import ParallelDims
 from trainlib.parallel.pp import Pipeline, build_pipeline
 from trainlib.precision import LowPrecisionCopies, keep_low_precision_copies
@@ -58,10 +59,10 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelPar
     with torch.device("meta"):
         model = spec.model_cls(args, rope_len=t.seq_len)
     n_params = count_params(model)
-    autocast = dims.autocast_dtype(t.param_dtype, t.mixed_precision_impl, cfg.parallelism.fsdp_cpu_offload)
+    autocast = autocast_dtype(dims, t.param_dtype, t.mixed_precision_impl, cfg.parallelism.fsdp_cpu_offload)
     param_dtype = torch.float32 if autocast else t.param_dtype  # under autocast the weights stay fp32
     check_float8_hardware(cfg.float8, device)
-    convert_float8(model, cfg.float8, fsdp=dims.uses_fsdp(param_dtype), output_module=spec.output_module)
+    convert_float8(model, cfg.float8, fsdp=fsdp_wraps(dims, param_dtype), output_module=spec.output_module)
     round_like_eager_under_compile(cfg.float8, cfg.compile.enable)
 
     def parallelize(m: nn.Module) -> nn.Module:

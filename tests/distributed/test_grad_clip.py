@@ -165,3 +165,31 @@ def _check_clip_in_fused_step(rank, world):
 
 def test_clip_is_handed_to_a_fused_adamw_step_with_the_same_result():
     spawn(_check_clip_in_fused_step, 2)
+
+
+def _check_clip_over_two_meshes(rank, world):
+    from trainlib.parallel import ParallelDims
+
+    # The dense view's dp_shard and the experts' ep: the same two ranks, two meshes (parameters of an MoE
+    # model live on both), plus a plain tensor.
+    dims = ParallelDims(world_size=2, dp_shard=2, ep=2)
+    dims.build_mesh("cpu")
+    dense, experts = dims.mesh("dp_shard"), dims.mesh("ep")
+    assert dense is not experts
+    gen = torch.Generator().manual_seed(0)
+    full = [torch.randn(6, 3, generator=gen), torch.randn(4, 5, generator=gen), torch.randn(7, generator=gen)]
+    params = [_param(dense, full[0], [Shard(0)], full[0].chunk(2)[rank].clone()),
+              _param(experts, full[1], [Shard(0)], full[1].chunk(2)[rank].clone())]
+    plain = torch.nn.Parameter(torch.zeros(7))
+    plain.grad = full[2].clone()
+    expected = torch.cat([f.flatten() for f in full]).norm()
+    norm = clip_grad_norm_([*params, plain], max_norm=1.0)
+    assert not isinstance(norm, DTensor) and math.isclose(norm.item(), expected.item(), rel_tol=1e-6), (norm, expected)
+    scale = 1.0 / (expected.item() + 1e-6)
+    for p, f in zip(params, full):
+        torch.testing.assert_close(p.grad.full_tensor(), f * scale)
+    torch.testing.assert_close(plain.grad, full[2] * scale)
+
+
+def test_clip_norm_is_exact_over_gradients_on_two_meshes():
+    spawn(_check_clip_over_two_meshes, 2)

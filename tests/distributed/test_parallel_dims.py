@@ -32,6 +32,24 @@ def _check_mesh(rank, world):
         dims.build_mesh("cpu")
 
 
+    # The sparse view (experts) over the same ranks: ep borrows tp's ranks first, then cp's, then dp_shard's.
+    moe = ParallelDims(dp_shard=2, tp=2, ep=2, world_size=world)
+    moe.build_mesh("cpu")
+    assert moe.efsdp == 2 and moe.rank_groups("ep") == moe.rank_groups("tp") == [[0, 1], [2, 3]]
+    assert moe.rank_groups("efsdp") == moe.rank_groups("dp_shard") == [[0, 2], [1, 3]]
+    assert moe.expert_fsdp_mesh() is moe.mesh("efsdp") and moe.degrees()["ep"] == 2
+    wide = ParallelDims(dp_shard=2, cp=2, ep=4, world_size=world)  # folding over dp_shard x cp
+    wide.build_mesh("cpu")
+    assert wide.efsdp == 1 and wide.rank_groups("ep") == [[0, 1, 2, 3]]
+    assert dist.get_backend(wide.mesh("efsdp").get_group()) == "fake"
+    x = torch.tensor(float(rank))
+    dist.all_reduce(x, group=wide.mesh("ep").get_group())
+    assert x.item() == 6
+    hybrid = ParallelDims(dp_replicate=2, dp_shard=2, ep=2, world_size=world)
+    hybrid.build_mesh("cpu")
+    assert hybrid.expert_fsdp_mesh().mesh_dim_names == ("dp_replicate", "efsdp")
+    assert hybrid.rank_groups("ep") == [[0, 1], [2, 3]]
+
     # A second ParallelDims in the same job (e.g. an eval layout) is independent.
     hsdp = ParallelDims(dp_replicate=2, dp_shard=2, world_size=world)
     hsdp.build_mesh("cpu")

@@ -12,6 +12,7 @@ from tests.helpers import build_on_one_rank
 from trainlib.config import ConfigError, load_job_config
 from trainlib.optim import OptimizerConfig, build_optimizer, implementation_of, resolve_implementation
 from trainlib.parallel import ParallelDims
+from trainlib.parallel.mixed_precision import autocast_dtype, fsdp_wraps
 from trainlib.train import train
 
 
@@ -51,14 +52,14 @@ def test_built_optimizer_runs_the_resolved_implementation(impl, expected):
 def test_autocast_only_on_one_rank(degrees, param, impl, expected):
     world = max(1, degrees.get("dp_shard", 1) * degrees.get("tp", 1))
     dims = ParallelDims(world_size=world, **degrees)
-    assert dims.autocast_dtype(param, impl) == expected
+    assert autocast_dtype(dims, param, impl) == expected
     if expected is not None:
-        assert not dims.uses_fsdp(torch.float32)  # what build_model_parts asks under autocast
+        assert not fsdp_wraps(dims, torch.float32)  # what build_model_parts asks under autocast
 
 
 def test_autocast_on_several_ranks_is_a_one_line_error():
     with pytest.raises(ValueError, match="needs a job of one rank, but the world size is 2") as e:
-        ParallelDims(world_size=2, dp_shard=2).autocast_dtype(torch.bfloat16, "autocast")
+        autocast_dtype(ParallelDims(world_size=2, dp_shard=2), torch.bfloat16, "autocast")
     assert "\n" not in str(e.value)
 
 

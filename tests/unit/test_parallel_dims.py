@@ -62,3 +62,14 @@ def test_build_mesh_needs_a_process_group_of_its_world_size():
             ParallelDims(dp_shard=2, world_size=2).build_mesh("cpu")
     finally:
         destroy_distributed()
+
+
+def test_ep_borrows_from_dp_shard_cp_tp_and_is_off_by_default():
+    dims = ParallelDims(world_size=8, dp_shard=2, cp=2, tp=2, ep=4)
+    assert (dims.efsdp, dims.ep_enabled) == (2, True) and dims.degrees()["ep"] == 4
+    plain = ParallelDims(world_size=8)
+    assert (plain.ep, plain.efsdp, plain.ep_enabled) == (1, 8, False) and "ep" not in plain.degrees()
+    with pytest.raises(ValueError, match=r"^parallelism.ep \(3\) must divide dp_shard\(2\) \* cp\(1\) \* tp\(2\) = "
+                                         r"4: expert parallel borrows its ranks from those axes .*; pick ep among "
+                                         r"1, 2, 4$"):
+        ParallelDims(world_size=4, dp_shard=2, tp=2, ep=3)

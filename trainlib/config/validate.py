@@ -16,6 +16,7 @@ from trainlib import float8 as float8_lib
 from trainlib.config.job import JobConfig
 from trainlib.config.loader import ConfigError
 from trainlib.models.registry import get_model_spec
+from trainlib.parallel.mixed_precision import autocast_dtype, fsdp_wraps
 from trainlib.parallel.parallel_dims import ParallelDims
 
 
@@ -192,8 +193,8 @@ def _validate_cpu_offload(cfg: JobConfig, dims: ParallelDims) -> None:
     if not cfg.parallelism.fsdp_cpu_offload:
         return
     t = cfg.training
-    autocast = dims.autocast_dtype(t.param_dtype, t.mixed_precision_impl, cpu_offload=True)
-    if not dims.uses_fsdp(torch.float32 if autocast else t.param_dtype):
+    autocast = autocast_dtype(dims, t.param_dtype, t.mixed_precision_impl, cpu_offload=True)
+    if not fsdp_wraps(dims, torch.float32 if autocast else t.param_dtype):
         raise ConfigError(
             f"parallelism.fsdp_cpu_offload moves FSDP's parameter shards, gradients and optimizer state to CPU "
             f"memory, but this job has no FSDP: FSDP wraps the model when more than one rank holds distinct tokens "

@@ -25,6 +25,7 @@ from trainlib.parallel.compile import CompileConfig, apply_compile
 from trainlib.parallel.config import ParallelismConfig
 from trainlib.parallel.cp import apply_cp
 from trainlib.parallel.fsdp import apply_fsdp, reshard_after_forward
+from trainlib.parallel.mixed_precision import fsdp_wraps
 from trainlib.parallel.parallel_dims import ParallelDims
 from trainlib.parallel.tp import TPPlan, apply_tp
 
@@ -52,7 +53,7 @@ def parallelize_dense(
         apply_ac(model, ac.mode, every_k=ac.every_k, selective_op_policy=ac.selective_op_policy)
     if compile is not None and compile.enable:
         apply_compile(model, backend=compile.backend)
-    if parallel_dims.uses_fsdp(param_dtype):
+    if fsdp_wraps(parallel_dims, param_dtype):
         apply_fsdp(
             model,
             parallel_dims.fsdp_mesh(),

@@ -1,4 +1,4 @@
-"""Recipe section [parallelism]: the degrees of the five axes and their options."""
+"""Recipe section [parallelism]: the degrees of the axes (the five dense ones and ep) and their options."""
 
 from __future__ import annotations
 
@@ -16,6 +16,9 @@ class ParallelismConfig:
     cp: int = 1
     tp: int = 1
     pp: int = 1
+    # Expert parallel (mixture-of-experts families): experts sharded over ep ranks borrowed from
+    # dp_shard x cp x tp (trainlib.parallel.parallel_dims); 1 = off. A dense family refuses ep > 1.
+    ep: int = 1
     # "default" reshards after forward (saves memory, re-gathers in backward)
     # except where it is known to be wrong or wasteful; "always"/"never" force it.
     fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
@@ -35,7 +38,7 @@ class ParallelismConfig:
     cp_load_balance: bool = True
 
     def __post_init__(self) -> None:
-        check_degrees({axis: getattr(self, axis) for axis in AXES})
+        check_degrees({axis: getattr(self, axis) for axis in (*AXES, "ep")})
         for key in ("pp_microbatches", "pp_stages_per_rank"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"parallelism.{key} must be >= 1 (or unset for the default), got {getattr(self, key)}")

@@ -21,7 +21,8 @@ def clip_grad_norm_(
     """Clip gradients by their global L2 norm and return that norm (a plain tensor).
 
     DTensor gradients (FSDP/TP shards) already give the norm over their mesh
-    via `full_tensor()`. A pipeline stage only holds its own layers, so the
+    via `full_tensor()`; gradients on several meshes (experts' and the rest)
+    combine their meshes' norms (`total_norm`). A pipeline stage only holds its own layers, so the
     squared norms of all stages are summed over `pp_mesh` too; clipping per
     stage would give each stage a different scale and a different model.
     `max_norm <= 0` measures without clipping.
@@ -43,9 +44,7 @@ def clip_grad_norm_(
     shard_grads_like_params(params)
     grads = [p.grad for p in params]
     if grads:
-        norm = torch.nn.utils.get_total_norm(grads, norm_type=2.0)
-        if isinstance(norm, DTensor):
-            norm = norm.full_tensor()
+        norm = total_norm(grads)
     else:
         norm = torch.zeros((), device=_device_of(pp_mesh))
     if pp_mesh is not None and pp_mesh.size() > 1:
@@ -58,10 +57,36 @@ def clip_grad_norm_(
         if in_step:  # the reciprocal of clip_grads_with_norm_'s factor
             scale = ((norm.float() + 1e-6) / max_norm).clamp(min=1.0)
         else:
-            torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+            for group in _by_mesh(params).values():  # a foreach op runs on one mesh's DTensors
+                torch.nn.utils.clip_grads_with_norm_(group, max_norm, norm)
     if in_step:
         optimizer.grad_scale = scale
     return norm
+
+
+def total_norm(grads: list[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm of all `grads` together, a plain tensor, exact when they
+    live on different meshes (the dense view's and the experts', trainlib.
+    parallel.parallel_dims): each mesh's DTensors give their norm over that
+    mesh, plain tensors theirs, and the squares are summed. Gradients on one
+    mesh take torch's own path unchanged."""
+    norms = []
+    for group in _by_mesh(grads).values():
+        norm = torch.nn.utils.get_total_norm(group, norm_type=2.0)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    if len(norms) == 1:
+        return norms[0]
+    device = norms[0].device
+    return torch.stack([n.float().to(device) ** 2 for n in norms]).sum().sqrt()
+
+
+def _by_mesh(tensors: list[torch.Tensor]) -> dict:
+    """`tensors` (or parameters, by their gradients) grouped by the mesh their DTensors live on (None: plain)."""
+    groups: dict = {}
+    for t in tensors:
+        g = t.grad if isinstance(t, torch.nn.Parameter) else t
+        groups.setdefault(g.device_mesh if isinstance(g, DTensor) else None, []).append(t)
+    return groups
 
 
 @torch.no_grad()

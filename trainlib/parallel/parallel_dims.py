@@ -1,21 +1,30 @@
 """ParallelDims: the one holder of parallel state.
 
-It validates the five degrees, builds the DeviceMesh once, and hands out named
+It validates the degrees, builds the DeviceMesh once, and hands out named
 sub-meshes. It is passed explicitly to whoever needs a mesh; there are no
 module-level process groups anywhere in trainlib.
 
-Mesh layout, outermost to innermost: pp, dp_replicate, dp_shard, cp, tp.
-tp is innermost because its collectives are the most frequent and belong on the
-fastest links (NVLink within a node); pp is outermost because point-to-point
-activations tolerate the slowest links.
+Two families of views over the same ranks, outermost to innermost:
+  dense   pp, dp_replicate, dp_shard, cp, tp    (every parameter but experts')
+  sparse  pp, dp_replicate, efsdp, ep           (experts'), efsdp = dp_shard*cp*tp / ep
+tp is innermost because its collectives are the most frequent and belong on
+the fastest links (NVLink within a node); pp is outermost because
+point-to-point activations tolerate the slowest links. Expert parallel borrows
+its ranks from the dense view's dp_shard x cp x tp, innermost first (tp's, then
+cp's, then dp_shard's), as Megatron's parallel folding and TorchTitan do: its
+all-to-all stays on the fastest links, and the experts' own FSDP shards over
+what is left (efsdp). With ep = 1 the sparse view is not built and nothing
+changes.
 
 Named meshes handed out by `mesh(name)`:
-  pp, dp_replicate, dp_shard, cp, tp   the five axes
+  pp, dp_replicate, dp_shard, cp, tp   the dense axes
   dp           dp_replicate x dp_shard   ranks that see different data
   dp_shard_cp  dp_shard x cp             what FSDP shards parameters over
   fsdp         (dp_replicate, dp_shard_cp), 2-D, for HSDP
   dp_cp        dp_replicate x dp_shard x cp   ranks over which the loss and
                token counts are summed (every rank that holds distinct tokens)
+  efsdp, ep    (ep > 1) the sparse axes
+  expert_fsdp  (ep > 1) (dp_replicate, efsdp), 2-D: what experts' FSDP/HSDP uses
 """
 
 from __future__ import annotations
@@ -29,7 +38,8 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainlib.errors import ConfigError
 
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the dense view
+EXPERT_AXES = ("pp", "dp_replicate", "efsdp", "ep")  # the sparse view (experts), over the same ranks
 
 
 def check_degrees(degrees: dict[str, int]) -> None:
@@ -51,6 +61,7 @@ class ParallelDims:
     tp: int = 1
     pp: int = 1
     world_size: int = 1
+    ep: int = 1
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
     _view_dim: dict[str, tuple[DeviceMesh, int]] = field(default_factory=dict, init=False, repr=False)
 
@@ -72,11 +83,19 @@ class ParallelDims:
                 f"pp({self.pp}) = {total} != world size {self.world_size}; make the product equal the number "
                 f"of processes, or set parallelism.dp_shard = -1 to use the remaining ranks"
             )
+        check_degrees({"ep": self.ep})
+        span = self.dp_shard * self.cp * self.tp
+        if span % self.ep:
+            raise ConfigError(
+                f"parallelism.ep ({self.ep}) must divide dp_shard({self.dp_shard}) * cp({self.cp}) * tp({self.tp}) = "
+                f"{span}: expert parallel borrows its ranks from those axes (efsdp = {span} / ep shards the experts "
+                f"over the rest); pick ep among {', '.join(str(d) for d in range(1, span + 1) if span % d == 0)}")
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
         """The degrees of a [parallelism] recipe section (ParallelismConfig)."""
-        return cls(world_size=world_size, **{axis: getattr(parallelism, axis) for axis in AXES})
+        return cls(world_size=world_size, ep=getattr(parallelism, "ep", 1),
+                   **{axis: getattr(parallelism, axis) for axis in AXES})
 
     # ---- degrees -------------------------------------------------------------
     @property
@@ -104,37 +123,23 @@ class ParallelDims:
     def cp_enabled(self) -> bool:
         return self.cp > 1
 
-    def uses_fsdp(self, param_dtype: torch.dtype) -> bool:
-        """Whether FSDP wraps the model: whenever more than one rank holds
-        distinct tokens, and also on one such rank when a lower parameter
-        precision is asked, since FSDP's mixed-precision policy then casts
-        the parameters (a job of one rank may use autocast instead:
-        `autocast_dtype`, whose caller then passes float32 here)."""
-        return self.dp_replicate * self.dp_shard * self.cp > 1 or param_dtype != torch.float32
+    @property
+    def efsdp(self) -> int:
+        """What the experts' FSDP shards over: the dense dp_shard x cp x tp ranks that ep leaves."""
+        return self.dp_shard * self.cp * self.tp // self.ep
 
-    def autocast_dtype(self, param_dtype: torch.dtype, impl: str = "auto", cpu_offload: bool = False
-                       ) -> torch.dtype | None:
-        """The torch.autocast dtype that applies a lower `param_dtype`
-        (training.mixed_precision_param) instead of FSDP, or None.
+    @property
+    def ep_enabled(self) -> bool:
+        return self.ep > 1
 
-        impl (training.mixed_precision_impl): "fsdp" always casts through
-        FSDP; "autocast" and "auto" use autocast over fp32 weights in a job of
-        one rank, where FSDP's only work would be a bf16 copy of every
-        parameter per step and a one-rank gradient reduce. "auto" keeps FSDP
-        on more ranks, and on one rank when `cpu_offload` (FSDP's) is asked;
-        "autocast" on more ranks is an error."""
-        if param_dtype == torch.float32 or impl == "fsdp" or (impl == "auto" and cpu_offload):
-            return None
-        if self.world_size == 1:
-            return param_dtype
-        if impl == "autocast":
-            raise ConfigError(
-                f"training.mixed_precision_impl = 'autocast' needs a job of one rank, but the world size is "
-                f"{self.world_size} (FSDP casts the parameters there); set it to 'auto' or 'fsdp'")
-        return None
+    @property
+    def distinct_token_ranks(self) -> int:
+        """Ranks that hold distinct tokens (dp_replicate x dp_shard x cp): more than one means FSDP shards."""
+        return self.dp_replicate * self.dp_shard * self.cp
 
     def degrees(self) -> dict[str, int]:
-        return {name: getattr(self, name) for name in AXES}
+        """The dense view's degrees, and ep where it is on."""
+        return {name: getattr(self, name) for name in AXES} | ({"ep": self.ep} if self.ep_enabled else {})
 
     # ---- mesh ------------------------------------------------------------------
     def build_mesh(self, device_type: str) -> DeviceMesh:
@@ -173,6 +178,14 @@ class ParallelDims:
                 self._view_dim.setdefault(name, (view, i))
             if "dp_shard_cp" in names:
                 self._meshes["fsdp"] = view["dp_replicate", "dp_shard_cp"]
+        if self.ep_enabled:
+            view = world._unflatten(0, (pp, dpr, self.efsdp, self.ep), EXPERT_AXES,
+                                    backend_override={n: "fake" for n, size in zip(EXPERT_AXES, (pp, dpr, self.efsdp,
+                                                                                                self.ep)) if size == 1})
+            for i, name in enumerate(("efsdp", "ep")):
+                self._meshes[name] = view[name]
+                self._view_dim[name] = (view, i + 2)
+            self._meshes["expert_fsdp"] = view["dp_replicate", "efsdp"]
         return self._meshes["world"]
 
     def mesh(self, name: str) -> DeviceMesh:
@@ -192,6 +205,10 @@ class ParallelDims:
     def fsdp_mesh(self) -> DeviceMesh:
         """1-D mesh for plain FSDP, 2-D (replicate, shard) for HSDP."""
         return self.mesh("fsdp") if self.hsdp_enabled else self.mesh("dp_shard_cp")
+
+    def expert_fsdp_mesh(self) -> DeviceMesh:
+        """What experts' FSDP shards over (ep > 1): efsdp, or (dp_replicate, efsdp) for HSDP."""
+        return self.mesh("expert_fsdp") if self.hsdp_enabled else self.mesh("efsdp")
 
     def sum_loss(self, loss_sum: torch.Tensor) -> torch.Tensor:
         """All-reduce (in place) a loss summed over this rank's tokens into the

@@ -53,7 +53,10 @@ def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> TPPlan:
 
 def validate_degrees(args, degrees: Mapping[str, int], seq_len: int) -> None:
     """Qwen3's shape rules for the parallel degrees (ModelSpec.validate)."""
-    tp, pp = degrees.get("tp", 1), degrees.get("pp", 1)
+    tp, pp, ep = degrees.get("tp", 1), degrees.get("pp", 1), degrees.get("ep", 1)
+    if ep > 1:
+        raise ConfigError(f"parallelism.ep ({ep}) shards a model's experts, and Qwen3 is dense (no experts); "
+                          f"set parallelism.ep = 1")
     if args.tie_embeddings and pp > 1:
         raise ConfigError(
             f"this Qwen3 flavor ties the embedding and output weights, which live on the first and last pipeline "
