@@ -46,16 +46,17 @@ def train(cfg: trainlib.JobConfig, info) -> list[float]:
         batch = next(loader)
         n_targets = trainlib.count_targets(batch["labels"]).float()
         dist.all_reduce(n_targets)  # global token count: the loss is a mean over the whole batch
-        # built.loss_fn: the loss as configured; by default (loss.chunked) the model stops at
-        # the final norm and the loss applies the output projection chunk by chunk.
-        loss = built.loss_fn(model(batch["input"]), batch["labels"]) / n_targets
-        loss.backward()
+        # built.runner runs micro-batches under the layout (CP chunks, TP's loss context, autocast,
+        # a pipeline schedule) with the loss as configured: by default (loss.chunked) the model stops
+        # at the final norm and the loss applies the output projection chunk by chunk.
+        loss, aux = built.runner.forward_backward([batch], n_targets)  # aux: an MoE router's values
         # optimizer=: a fused AdamW (on CUDA by default) then scales the gradients in its step.
         trainlib.clip_grad_norm_(model.parameters(), max_norm=1.0, optimizer=optimizer)
         optimizer.step()
+        built.runner.after_optimizer_step()  # e.g. float8's next scales
         scheduler.step()
         optimizer.zero_grad()
-        dist.all_reduce(loss := loss.detach())
+        dist.all_reduce(loss)
         losses.append(loss.item())
         if info.rank == 0 and step % 5 == 0:
             print(f"step {step} loss {loss.item():.4f}")

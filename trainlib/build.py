@@ -18,7 +18,8 @@ import torch
 from torch import nn
 
 from trainlib.errors import ConfigError
-from trainlib.float8 import check_float8_hardware, convert_float8, filter_patterns, round_like_eager_under_compile
+from trainlib.float8 import (check_float8_hardware, convert_float8, filter_patterns, float8_post_optimizer_step,
+                             round_like_eager_under_compile)
 from trainlib.loss import chunked_cross_entropy_sum, cross_entropy_sum, resolve_chunk_tokens
 from trainlib.models import count_params
 from trainlib.models.registry import get_model_spec, model_args
@@ -27,6 +28,7 @@ from trainlib.parallel.mixed_precision import autocast_dtype, fsdp_wraps
 from trainlib.parallel.parallel_dims import ParallelDims
 from trainlib.parallel.pp import Pipeline, build_pipeline
 from trainlib.precision import LowPrecisionCopies, keep_low_precision_copies
+from trainlib.step import StepRunner
 
 
 @dataclass
@@ -44,6 +46,8 @@ class ModelParts:
     loss_chunk_tokens: int | None = None  # loss.chunk_tokens resolved; None: whole logits
     # Under autocast with training.mixed_precision_weight_copy: the matmul weights' bf16 copies (trainlib.precision)
     weight_copies: LowPrecisionCopies | None = None
+    # Runs micro-batches under the layout (trainlib.step): what the loop, validation and custom loops call.
+    runner: StepRunner | None = None
 
 
 def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelParts:
@@ -88,8 +92,16 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelPar
     copies = keep_low_precision_copies(model, autocast) if autocast and t.mixed_precision_weight_copy else None
     if dims.pp_enabled:  # this rank's stages, each parallelized like a whole model
         pipeline = build_pipeline(model, spec.stage_roots, dims, cfg.parallelism, device, parallelize, loss_fn)
-        return ModelParts(pipeline.model_parts, pipeline, args, n_params, loss_fn, autocast, chunk_tokens)
-    return ModelParts([parallelize(model)], None, args, n_params, loss_fn, autocast, chunk_tokens, copies)
+        parts = pipeline.model_parts
+    else:
+        pipeline, parts = None, [parallelize(model)]
+    par = cfg.parallelism
+    runner = StepRunner(parts, pipeline, loss_fn, dims, device, autocast_dtype=autocast,
+                        cp_load_balance=par.cp_load_balance, document_mask=cfg.model.attn_mask == "document",
+                        loss_parallel=par.tp_loss_parallel)
+    if cfg.float8.enable:  # the next step's float8 scales, where FSDP gathers float8 weights
+        runner.add_after_optimizer_step(partial(float8_post_optimizer_step, parts, cfg.float8))
+    return ModelParts(parts, pipeline, args, n_params, loss_fn, autocast, chunk_tokens, copies, runner)
 
 
 def loss_chunk_tokens(cfg, vocab_size: int, tp: int, device_type: str) -> int:

@@ -15,7 +15,6 @@ import os
 import sys
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -30,18 +29,15 @@ from trainlib.data import DataLoader, build_dataloader, build_tokenizer
 from trainlib.distributed import DistInfo, barrier, destroy_distributed, init_distributed, set_collective_timeout
 from trainlib.errors import (EXIT_INTERNAL, EXIT_PREEMPTED, EXIT_STOPPED, EXIT_USER, Preempted, TrainingStopped,
                              print_once_per_node, report_crash, report_user_error, verdict_line)
-from trainlib.float8 import float8_post_optimizer_step
 from trainlib.guard import Guard
-from trainlib.loss import count_targets, cross_entropy_sum
+from trainlib.loss import count_targets
 from trainlib.metrics import MetricsLogger, setup_logging
 from trainlib.models.registry import get_model_spec, model_args
 from trainlib.optim import build_lr_scheduler, build_optimizer, implementation_of
 from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
-from trainlib.parallel.pp import Pipeline
-from trainlib.parallel.tp import loss_context
-from trainlib.parallel.cp import local_micro_batches
 from trainlib.profiling import GarbageCollection, Profiler
 from trainlib.resilience import StepMonitor
+from trainlib.step import StepRunner
 from trainlib.validation import Validator, build_validator
 
 logger = logging.getLogger("trainlib")
@@ -53,23 +49,25 @@ class Job:
     cfg: JobConfig
     info: DistInfo
     dims: ParallelDims
-    model_parts: list[nn.Module]  # one model, or this rank's pipeline stages
+    runner: StepRunner  # runs micro-batches under the layout (trainlib.step); its parts are the model
     optimizer: torch.optim.Optimizer
     scheduler: torch.optim.lr_scheduler.LRScheduler
     loader: DataLoader
     metrics: MetricsLogger
     grad_accum: int
     run_dir: Path
-    pipeline: Pipeline | None = None  # set under pipeline parallelism
-    loss_fn: Callable = cross_entropy_sum  # (model output, labels) -> loss sum; see build.ModelParts
     checkpointer: Checkpointer | None = None
     start_step: int = 0  # the last step already done (restored from a checkpoint)
     guard: Guard | None = None
     validator: Validator | None = None
     profiler: Profiler | None = None
     gc_handler: GarbageCollection | None = None
-    autocast_dtype: torch.dtype | None = None  # bf16 on one rank (build.ModelParts.autocast_dtype)
     monitor: StepMonitor | None = None  # preemption, hang watchdog, step-time spread
+
+    @property
+    def model_parts(self) -> list[nn.Module]:
+        """One model, or this rank's pipeline stages."""
+        return self.runner.parts
 
     def close(self) -> None:
         """Stop what runs beside the loop and give back what setup took: the hang
@@ -115,11 +113,7 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
         "trainer": TrainState(tokens_per_step=t.global_batch_size * t.seq_len, model_args=built.model_args,
                               model_name=cfg.model.name)})
     start_step = checkpointer.load()
-    par = cfg.parallelism
-    validator = build_validator(cfg.validation, tokenizer, t.seq_len, local_bs, grad_accum, dims, t.seed, built.parts,
-                                info.device, loss_fn=built.loss_fn, pipeline=built.pipeline,
-                                cp_load_balance=par.cp_load_balance, tp_loss_parallel=par.tp_loss_parallel,
-                                document_mask=cfg.model.attn_mask == "document", autocast_dtype=built.autocast_dtype)
+    validator = build_validator(cfg.validation, tokenizer, t.seq_len, local_bs, grad_accum, t.seed, built.runner)
     profiler = Profiler(cfg.profiling, run_dir, info.rank, info.device, start_step)
     flops = get_model_spec(cfg.model.name).flops_per_token(built.model_args, t.seq_len)
     metrics = MetricsLogger(cfg.metrics, run_dir, rank=info.rank, device=info.device, flops_per_token=flops,
@@ -135,37 +129,17 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     )
     logger.info(describe_choices(cfg, built, implementation_of(optimizer)))
     monitor = StepMonitor(cfg.watchdog, cfg.comm.train_timeout_seconds, run_dir)
-    return Job(cfg, info, dims, built.parts, optimizer, scheduler, loader, metrics, grad_accum, run_dir,
-               built.pipeline, built.loss_fn, checkpointer, start_step, guard, validator, profiler,
-               GarbageCollection(t.gc_freq),  # the last built: it freezes what setup built
-               autocast_dtype=built.autocast_dtype, monitor=monitor)
+    return Job(cfg=cfg, info=info, dims=dims, runner=built.runner, optimizer=optimizer, scheduler=scheduler,
+               loader=loader, metrics=metrics, grad_accum=grad_accum, run_dir=run_dir, checkpointer=checkpointer,
+               start_step=start_step, guard=guard, validator=validator, profiler=profiler,
+               gc_handler=GarbageCollection(t.gc_freq),  # the last built: it freezes what setup built
+               monitor=monitor)
 
 
-def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tensor) -> torch.Tensor:
-    """Forward and backward over one step's micro-batches; returns this rank's
-    share of the global mean loss (summing it over dp_cp, and pp, gives the loss)."""
-    device = job.info.device
-    # Under CP, this rank's sequence chunks; apply_cp gives RoPE the matching positions.
-    micro_batches = local_micro_batches(micro_batches, job.dims.mesh("cp") if job.dims.cp_enabled else None,
-                                        job.cfg.parallelism.cp_load_balance, job.cfg.model.attn_mask == "document",
-                                        device)
-    # Vocab-sharded logits under TP: the loss's forward and backward run on shards.
-    with loss_context(job.dims.tp_enabled and job.cfg.parallelism.tp_loss_parallel):
-        if job.pipeline is not None:
-            return job.pipeline.step(micro_batches, n_targets, device)
-        (model,) = job.model_parts
-        loss_sum = torch.zeros((), device=device)
-        for mb in micro_batches:
-            # Autocast's weight cache would hold a bf16 copy of every weight until the loss; each is used once.
-            with torch.autocast(device.type, job.autocast_dtype, enabled=job.autocast_dtype is not None,
-                                cache_enabled=False):
-                # logits, or hidden states under loss.chunked
-                out = model(mb["input"].to(device), doc_ids=mb.get("doc_ids"))
-                loss = job.loss_fn(out, mb["labels"].to(device)) / n_targets
-            del out  # free the largest activation before backward allocates
-            loss.backward()
-            loss_sum += loss.detach()
-    return loss_sum
+def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Forward and backward over one step's micro-batches through the job's step runner: (this rank's share
+    of the global mean loss, the auxiliary dict; trainlib.step)."""
+    return job.runner.forward_backward(micro_batches, n_targets)
 
 
 def train_loop(job: Job) -> list[dict]:
@@ -184,12 +158,13 @@ def train_loop(job: Job) -> list[dict]:
         n_targets = sum(count_targets(mb["labels"]) for mb in micro_batches).to(device, torch.float32)
         dist.all_reduce(n_targets, group=dp_group)
 
-        loss = job.dims.sum_loss(forward_backward(job, micro_batches, n_targets))
+        loss_share, _aux = forward_backward(job, micro_batches, n_targets)  # aux: none from dense families
+        loss = job.dims.sum_loss(loss_share)
         grad_norm = clip_grad_norm_([p for m in job.model_parts for p in m.parameters()], t.max_norm, pp_mesh,
                                     optimizer=job.optimizer)
         if job.guard.check(step, loss, grad_norm):  # judged on the device; False: a skip the host knows of
             job.optimizer.step()
-        float8_post_optimizer_step(job.model_parts, cfg.float8)
+        job.runner.after_optimizer_step()  # float8's next scales (an MoE router's bias next)
         job.scheduler.step()
         job.optimizer.zero_grad(set_to_none=True)
         job.metrics.step_done(tokens_per_step)

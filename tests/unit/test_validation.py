@@ -71,7 +71,7 @@ def test_validation_computes_in_bf16_where_training_uses_autocast(tmp_path):
     cfg = _cfg(tmp_path, "--validation.enable=true", "--training.mixed_precision_param=bfloat16")
     job = setup(cfg, init_distributed(cfg.comm, cfg.job.device))
     try:
-        assert job.autocast_dtype == torch.bfloat16
+        assert job.runner.autocast_dtype == torch.bfloat16
         (model,) = job.model_parts
         modes = []
         hook = model.register_forward_pre_hook(lambda module, args: modes.append(module.training))
@@ -79,7 +79,7 @@ def test_validation_computes_in_bf16_where_training_uses_autocast(tmp_path):
         hook.remove()
         # scored in eval mode, and training goes on in train mode (a dropout or a router would notice)
         assert modes and not any(modes) and all(m.training for m in model.modules())
-        job.validator.autocast_dtype = None
+        job.runner.autocast_dtype = None
         fp32 = job.validator.run()["val_loss"]
     finally:
         job.close()
@@ -100,8 +100,7 @@ def test_close_stops_the_validation_loader():
             self.closed = True
 
     def validator(loader):
-        return Validator(ValidationConfig(enable=loader is not None), loader, [], None, torch.device("cpu"),
-                         micro_batches=1, loss_fn=None, pipeline=None, cp_load_balance=False, tp_loss_parallel=False)
+        return Validator(ValidationConfig(enable=loader is not None), loader, None, micro_batches=1)
 
     loader = Loader()
     validator(loader).close()

@@ -1,0 +1,101 @@
+"""One object that runs micro-batches under the job's layout: the step runner.
+
+Running a micro-batch under a layout takes several pieces that must agree:
+document ids from the whole window and this rank's context-parallel chunks
+(`local_micro_batches`), the vocab-sharded loss context under TP's loss
+parallelism, autocast on one rank, and the pipeline's schedule or the plain
+forward and backward. `build_model_parts` returns one `StepRunner` holding
+them; the training loop (`forward_backward`), validation (`evaluate`) and a
+custom loop (docs/custom_loop.py) call it and nothing else, so no two of them
+can assemble a step differently.
+
+Each call returns the loss sum and an auxiliary dict: values a model family
+reports per step beside the loss (where a mixture-of-experts router puts its
+auxiliary loss and its load statistics); dense families report none.
+`after_optimizer_step()` runs the hooks that must follow every update (float8's
+scale precompute now, an MoE router's bias update next), registered with
+`add_after_optimizer_step`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from trainlib.parallel.cp import local_micro_batches
+from trainlib.parallel.parallel_dims import ParallelDims
+from trainlib.parallel.pp import Pipeline
+from trainlib.parallel.tp import loss_context
+
+
+@dataclass
+class StepRunner:
+    parts: list[nn.Module]  # the whole model, or this rank's pipeline stages
+    pipeline: Pipeline | None  # set under pipeline parallelism
+    # (model output, labels) -> sum of token losses; the output is the final hidden states under loss.chunked
+    loss_fn: Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+    dims: ParallelDims
+    device: torch.device
+    autocast_dtype: torch.dtype | None = None  # bf16 compute over fp32 weights on one rank (or None)
+    cp_load_balance: bool = True
+    document_mask: bool = False  # model.attn_mask = "document": doc ids from the whole windows
+    loss_parallel: bool = True  # parallelism.tp_loss_parallel (under TP: the loss runs on vocab shards)
+    _after_step: list[Callable[[], None]] = field(default_factory=list, repr=False)
+
+    def local(self, micro_batches: list[dict]) -> list[dict]:
+        """The micro-batches as this rank feeds them to the model: document ids, then its CP chunks."""
+        cp_mesh = self.dims.mesh("cp") if self.dims.cp_enabled else None
+        return local_micro_batches(micro_batches, cp_mesh, self.cp_load_balance, self.document_mask, self.device)
+
+    def forward_backward(self, micro_batches: list[dict], n_targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
+        """Forward and backward over one step's micro-batches, each loss divided by `n_targets` (the global
+        batch's target tokens); returns (this rank's share of the global mean loss: summing it over dp_cp,
+        and pp, gives the loss; the auxiliary dict)."""
+        micro_batches = self.local(micro_batches)
+        with self._loss_context():
+            if self.pipeline is not None:
+                return self.pipeline.step(micro_batches, n_targets, self.device), {}
+            (model,) = self.parts
+            loss_sum = torch.zeros((), device=self.device)
+            for mb in micro_batches:
+                # Autocast's weight cache would hold a bf16 copy of every weight until the loss; each is used once.
+                with self._autocast(cache_enabled=False):
+                    out = model(mb["input"].to(self.device), doc_ids=mb.get("doc_ids"))  # hidden states if chunked
+                    loss = self.loss_fn(out, mb["labels"].to(self.device)) / n_targets
+                del out  # free the largest activation before backward allocates
+                loss.backward()
+                loss_sum += loss.detach()
+        return loss_sum, {}
+
+    @torch.no_grad()
+    def evaluate(self, micro_batches: list[dict]) -> tuple[torch.Tensor, dict]:
+        """The forward alone: (the token-loss sum of this rank's share of the micro-batches, not divided;
+        the auxiliary dict). The caller puts the parts in eval mode."""
+        micro_batches = self.local(micro_batches)
+        with self._loss_context(), self._autocast():
+            if self.pipeline is not None:
+                return self.pipeline.eval(micro_batches, self.device), {}
+            (model,) = self.parts
+            return sum(self.loss_fn(model(mb["input"].to(self.device), doc_ids=mb.get("doc_ids")),
+                                    mb["labels"].to(self.device)) for mb in micro_batches), {}
+
+    def add_after_optimizer_step(self, hook: Callable[[], None]) -> None:
+        """Run `hook` after every optimizer step (`after_optimizer_step`)."""
+        self._after_step.append(hook)
+
+    def after_optimizer_step(self) -> None:
+        for hook in self._after_step:
+            hook()
+
+    def _loss_context(self):
+        # Vocab-sharded logits under TP: the loss's forward and backward run on shards.
+        return loss_context(self.dims.tp_enabled and self.loss_parallel)
+
+    def _autocast(self, **kwargs):
+        if self.autocast_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, self.autocast_dtype, **kwargs)
