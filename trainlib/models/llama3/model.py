@@ -23,7 +23,7 @@ from trainlib.models import layers
 from trainlib.models.layers import FeedForward, RMSNorm, document_mask
 from trainlib.models.spec import BlockShape
 
-__all__ = ["FLAVORS", "Attention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer", "TransformerBlock",
+__all__ = ["FLAVORS", "Attention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer",
            "apply_rope", "block_forward_flops", "block_shapes", "document_mask", "flops_per_token", "get_model_args",
            "precompute_rope"]
 
@@ -168,96 +168,14 @@ class Attention(layers.Attention):
         out = self.sdpa(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
-class TransformerBlock(nn.Module):
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.feed_forward = FeedForward(args.dim, args.ffn_dim)
+class Transformer(layers.DecoderLM):
+    """Llama 3: `layers.DecoderLM` with Llama's attention (adjacent-pair RoPE, Llama 3.1 frequency scaling)."""
 
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
-                ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, mask)
-        return x + self.feed_forward(self.ffn_norm(x))
+    @staticmethod
+    def make_block(args: ModelArgs) -> nn.Module:
+        return layers.TransformerBlock(args.dim, args.ffn_dim, args.norm_eps, Attention(args))
 
-
-class Transformer(nn.Module):
-    def __init__(self, args: ModelArgs, rope_len: int | None = None):
-        super().__init__()
-        self.args = args
-        self.tok_embeddings: nn.Embedding | None = nn.Embedding(args.vocab_size, args.dim)
-        self.layers = nn.ModuleDict({str(i): TransformerBlock(args) for i in range(args.n_layers)})
-        self.norm: RMSNorm | None = RMSNorm(args.dim, args.norm_eps)
-        self.output: nn.Linear | None = nn.Linear(args.dim, args.vocab_size, bias=False)
-        if args.tie_embeddings:
-            self.output.weight = self.tok_embeddings.weight
-        # False: forward returns the final norm's hidden states and the loss
-        # applies `self.output` itself, chunk by chunk (trainlib.loss), so the
-        # whole [tokens, vocab] logits never exist.
-        self.output_in_forward = True
-        # Non-persistent: derived from args, so it stays out of checkpoints and
-        # is rebuilt by `init_buffers` after the meta-device build.
-        self.rope_len = rope_len or args.max_seq_len
-        self.register_buffer("rope", precompute_rope(args, self.rope_len), persistent=False)
-
-    def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
-                doc_ids: torch.Tensor | None = None) -> torch.Tensor:
-        """tokens: [b, s] token ids (or [b, s, dim] hidden states on a non-first
-        pipeline stage). position_ids: optional [b, s] positions for RoPE; by
-        default 0..s-1. doc_ids: optional [b, S] document index of every
-        position of the whole window (S = s unless the sequence is split
-        across ranks); when given, attention is document-causal. Returns
-        logits [b, s, vocab] (or hidden states on a non-last pipeline stage,
-        or when `output_in_forward` is False)."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
-        # built once per forward, shared by every block
-        mask = self.attention_mask(doc_ids, h.dtype) if doc_ids is not None else None
-        # The whole table is passed down and sliced in Attention, where the
-        # sequence is whole: under sequence parallelism `h` here holds only
-        # this rank's slice of the sequence.
-        rope = self.rope[position_ids] if position_ids is not None else self.rope
-        for layer in self.layers.values():
-            h = layer(h, rope, mask)
-        h = self.norm(h) if self.norm is not None else h
-        return self.output(h) if self.output is not None and self.output_in_forward else h
-
-    def attention_mask(self, doc_ids: torch.Tensor, dtype: torch.dtype,
-                       q_positions: torch.Tensor | None = None) -> torch.Tensor | BlockMask:
-        """The `mask` every block's attention takes (`document_mask`). Context
-        parallelism rebinds it per instance to give its queries' positions."""
-        return document_mask(doc_ids, dtype, q_positions)
-
-    # ---- initialisation -------------------------------------------------
-    def init_buffers(self, device: torch.device | str | None = None) -> None:
-        self.rope = precompute_rope(self.args, self.rope_len, device=device)
-
-    def param_init_spec(self, name: str) -> tuple[str, float]:
-        """How the parameter called `name` (a checkpoint key) is initialised:
-        ("ones", 0) or ("trunc_normal", std). Kept as data, not as code that
-        mutates tensors, so a distributed initialiser can generate exactly the
-        same values for any sharding (see trainlib.parallel.init)."""
-        if name.endswith("norm.weight"):
-            return ("ones", 0.0)
-        if name == "tok_embeddings.weight":
-            return ("trunc_normal", 1.0 if not self.args.tie_embeddings else self.args.dim**-0.5)
-        if name == "output.weight":
-            return ("trunc_normal", self.args.dim**-0.5)
-        # Residual-branch outputs scaled by depth (as in GPT-2 / TorchTitan's
-        # depth-init) so activations do not grow with the number of layers.
-        if name.endswith(("attention.wo.weight", "feed_forward.w2.weight")):
-            return ("trunc_normal", 0.02 / math.sqrt(2 * self.args.n_layers))
-        return ("trunc_normal", 0.02)
-
-    @torch.no_grad()
-    def init_weights(self, seed: int = 0) -> None:
-        """Single-device initialisation, identical to what
-        `trainlib.parallel.init.init_model_weights` gives for any layout."""
-        from trainlib.params import init_param_
-
-        self.init_buffers(device=self.rope.device if self.rope.device.type != "meta" else None)
-        for name, p in self.named_parameters():
-            init_param_(p, self.param_init_spec(name), seed, name)
+    rope_table = staticmethod(precompute_rope)
 
 
 def block_forward_flops(args: ModelArgs, seq_len: int) -> list[tuple[str, float, bool]]:
