@@ -16,14 +16,12 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 
-from trainlib.errors import ConfigError
+from trainlib.models.dense_plan import check_dense_degrees, dense_tp_plan
 from trainlib.parallel.apply import parallelize_dense
 from trainlib.parallel.config import ParallelismConfig
 from trainlib.parallel.parallel_dims import ParallelDims
-from trainlib.parallel.tp import (TPPlan, activation_layout, block_input_style, embedding_style, head_norm_style,
-                                  norm_style, output_style)
+from trainlib.parallel.tp import TPPlan, head_norm_style
 
 
 def parallelize_qwen3(model: nn.Module, parallel_dims: ParallelDims, parallelism: ParallelismConfig,
@@ -34,38 +32,12 @@ def parallelize_qwen3(model: nn.Module, parallel_dims: ParallelDims, parallelism
 
 
 def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> TPPlan:
-    act, norm = activation_layout(sequence_parallel), norm_style(sequence_parallel)
-    return TPPlan(
-        root={"tok_embeddings": embedding_style(sequence_parallel), "norm": norm,
-              "output": output_style(sequence_parallel, loss_parallel)},
-        block={
-            "attention_norm": norm, "ffn_norm": norm,
-            "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.q_norm": head_norm_style(), "attention.k_norm": head_norm_style(),
-            "attention.wo": RowwiseParallel(output_layouts=act),
-            "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
-            "feed_forward.w2": RowwiseParallel(output_layouts=act),
-            # attention(x, rope, mask): the rope table and mask are plain, whole-sequence values
-            "attention": block_input_style(sequence_parallel, n_args=3),
-            "feed_forward": block_input_style(sequence_parallel),
-        })
+    """The dense families' plan (trainlib.models.dense_plan) with QK-norm: weights replicated, gradients
+    summed over tp (`head_norm_style`)."""
+    return dense_tp_plan(sequence_parallel, loss_parallel,
+                         {"attention.q_norm": head_norm_style(), "attention.k_norm": head_norm_style()})
 
 
 def validate_degrees(args, degrees: Mapping[str, int], seq_len: int) -> None:
     """Qwen3's shape rules for the parallel degrees (ModelSpec.validate)."""
-    tp, pp, ep = degrees.get("tp", 1), degrees.get("pp", 1), degrees.get("ep", 1)
-    if ep > 1:
-        raise ConfigError(f"parallelism.ep ({ep}) shards a model's experts, and Qwen3 is dense (no experts); "
-                          f"set parallelism.ep = 1")
-    if args.tie_embeddings and pp > 1:
-        raise ConfigError(
-            f"this Qwen3 flavor ties the embedding and output weights, which live on the first and last pipeline "
-            f"stages (pp={pp}); use pp=1 with it, or a flavor without tied embeddings (qwen3_8b and larger)")
-    if tp > 1:
-        for what, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads),
-                            ("ffn_dim", args.ffn_dim), ("vocab_size", args.vocab_size)):
-            if value % tp:
-                raise ConfigError(
-                    f"model {what} ({value}) must be divisible by parallelism.tp ({tp}): each TP rank owns "
-                    f"1/tp of them{' (GQA: kv heads are not replicated)' if what == 'n_kv_heads' else ''}; "
-                    f"choose tp dividing {value}")
+    check_dense_degrees(args, degrees, "Qwen3", tied_hint=" (qwen3_8b and larger)")
