@@ -12,12 +12,20 @@ every rank and raises `trainlib.errors.Preempted`: the process exits with
 EXIT_PREEMPTED (75).
 
 Hang watchdog (`[watchdog]`). A thread per rank watches the time since the
-step started. The limit is max(min_seconds, step_factor x the median of this
-rank's last 100 step times), at most half of comm.train_timeout_seconds, so
-that it acts well before a collective timeout would end the job with a torch
-traceback. Only steps are watched: the first step after a (re)start
-(compilation, first allocations), and what the loop does between steps
-(logging, validation, checkpoint saves), are left to the collective timeout.
+step started, against a limit that rests on evidence of what a step takes on
+this rank, never on its absence: the reference is the median of this rank's
+last 100 watched step times, or, before the first of them ends, the first
+step's own time (it runs the same work plus compilation and first allocations,
+so it bounds the steps after it from above). The limit is
+max(min_seconds, step_factor x reference), at most half of
+comm.train_timeout_seconds, so that it acts well before a collective timeout
+would end the job with a torch traceback, but never under twice the reference:
+a run whose steps are long next to the collective timeout is not called hung
+for being slow (a real hang there may meet the collective timeout first).
+Only steps are watched: the first step after a (re)start (its time becomes the
+reference), and what the loop does between steps (logging, validation,
+checkpoint saves), are left to the collective timeout. No reference yet (the
+first step), no hang verdict from this rank.
 When a rank's step passes the limit it marks the hang in the c10d store; every
 rank's watchdog polls that mark, so every rank, the hung one included, writes
 its Python stacks (faulthandler, all threads) and torch's flight recorder (the
@@ -32,6 +40,7 @@ from __future__ import annotations
 
 import faulthandler
 import json
+import math
 import os
 import signal
 import statistics
@@ -117,6 +126,7 @@ class Watchdog:
         self.cfg, self.cap, self.folder = cfg, cap_seconds, Path(run_dir) / "hang"
         self.rank, self.world, self.store = rank, world_size, store
         self.step_times: deque[float] = deque(maxlen=100)
+        self.first_step_seconds: float | None = None  # the unwatched first step's: the reference until a median
         self.step, self.in_step = 0, False
         self._watch_from: float | None = None  # monotonic start of the watched step; None: not watched
         self.poll = min(5.0, max(0.5, cfg.min_seconds / 10))
@@ -125,8 +135,14 @@ class Watchdog:
         self._thread.start()
 
     def limit(self) -> float:
-        median = statistics.median(self.step_times) if self.step_times else 0.0
-        return min(max(self.cfg.min_seconds, self.cfg.step_factor * median), self.cap)
+        """Seconds a watched step may take before it is hung; infinite while there is no reference."""
+        if self.step_times:
+            reference = statistics.median(self.step_times)
+        elif self.first_step_seconds is not None:
+            reference = self.first_step_seconds
+        else:
+            return math.inf
+        return max(min(max(self.cfg.min_seconds, self.cfg.step_factor * reference), self.cap), 2 * reference)
 
     def start_step(self, step: int, watched: bool) -> None:
         self.step, self.in_step = step, True
@@ -135,6 +151,8 @@ class Watchdog:
     def end_step(self, seconds: float) -> None:
         if self._watch_from is not None:
             self.step_times.append(seconds)
+        elif self.first_step_seconds is None:
+            self.first_step_seconds = seconds
         self._watch_from, self.in_step = None, False
 
     def close(self) -> None:

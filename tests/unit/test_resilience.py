@@ -1,6 +1,7 @@
 """The resilience parts in one process: the preemption flag, the hang verdict from per-rank reports,
 the watchdog's limit and what it watches, and the init timeout given to the process group."""
 
+import math
 import os
 import signal
 from datetime import timedelta
@@ -128,6 +129,27 @@ def test_watchdog_limit_is_step_factor_times_the_median_and_enable_false_builds_
         monitor.watchdog.start_step(step, watched=True)
         monitor.watchdog.end_step(1.0)
     assert monitor.watchdog.limit() == 4.0
+
+
+def test_the_hang_limit_rests_on_a_measured_step_never_on_the_lack_of_one(tmp_path, world_of_one):
+    # The 35 s steps of a large vocabulary on CPU (issue 43): with min_seconds 30 and no median yet, step 2
+    # was killed at 30 s. Now: no verdict without a reference; the first step's time is the reference until
+    # a watched step ends; long steps next to the collective timeout get at least twice the reference.
+    monitor = StepMonitor(WatchdogConfig(step_factor=10, min_seconds=30), 300.0, tmp_path)
+    monitor.close()  # made-up times only
+    dog = monitor.watchdog
+    assert dog.limit() == math.inf  # before any step ended
+    dog.start_step(1, watched=False)
+    dog.end_step(40.0)  # compilation included
+    assert dog.limit() == 150.0  # 10 x 40 s, capped at half the 300 s collective timeout
+    dog.start_step(2, watched=True)
+    dog.end_step(35.0)
+    assert dog.limit() == 150.0 and list(dog.step_times) == [35.0]
+    slow = StepMonitor(WatchdogConfig(step_factor=10, min_seconds=30), 300.0, tmp_path)
+    slow.close()
+    slow.watchdog.start_step(1, watched=False)
+    slow.watchdog.end_step(200.0)  # a 405B step: the cap would call a healthy step hung
+    assert slow.watchdog.limit() == 400.0
 
 
 def test_the_step_monitor_hands_each_step_to_the_watchdog_and_ends_its_watch(tmp_path, handlers, world_of_one):
