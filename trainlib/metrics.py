@@ -161,12 +161,28 @@ def setup_logging(rank: int) -> None:
     logger.propagate = False
 
 
+def keep_earlier_run(path: Path) -> Path | None:
+    """Move an earlier run's non-empty `path` aside to the first free `path.1`, `path.2`, ... and
+    return where it went (None: nothing to keep)."""
+    if not path.is_file() or path.stat().st_size == 0:
+        return None
+    k = 1
+    while path.with_name(f"{path.name}.{k}").exists():
+        k += 1
+    kept = path.with_name(f"{path.name}.{k}")
+    os.replace(path, kept)
+    logger.warning(f"a run from step 0 in {path.parent}: the earlier run's {path.name} is kept as {kept.name}")
+    return kept
+
+
 class MetricsLogger:
     """Accumulates timing between log steps and writes one record per log step.
 
     Only rank 0 writes. Each record is flushed as soon as it is written so a
-    crash loses nothing already logged. `start_step` > 0 continues a resumed
-    run (metrics.jsonl appended, the same W&B run); `total_steps` gives the
+    crash loses nothing already logged, and no run's records are ever
+    truncated: `start_step` > 0 continues a resumed run (metrics.jsonl
+    appended, the same W&B run); a run from step 0 in a folder that holds an
+    earlier run's metrics.jsonl keeps that file as metrics.jsonl.1 (.2, ...); `total_steps` gives the
     console its step/total and ETA; `tokens_seen` is the global input token
     count before this process's first step (a resumed run's TrainState).
     """
@@ -185,7 +201,10 @@ class MetricsLogger:
         if rank == 0 and run_dir is not None:
             run_dir = Path(run_dir)
             run_dir.mkdir(parents=True, exist_ok=True)
-            self._file = open(run_dir / "metrics.jsonl", "a" if start_step else "w", encoding="utf-8")
+            path = run_dir / "metrics.jsonl"
+            if not start_step:
+                keep_earlier_run(path)
+            self._file = open(path, "a", encoding="utf-8")
             if cfg.enable_tensorboard:
                 self._backends.append(_TensorBoard(run_dir / cfg.save_tb_folder, start_step))
             if cfg.enable_wandb:

@@ -359,13 +359,14 @@ def test_load_removes_folders_of_interrupted_saves(tmp_path, caplog):
 
     model, opt, sched, ck = _job(tmp_path, interval=1)
     ck.maybe_save(1, last_step=1)
-    for name in ("step-7.tmp", "step-9"):  # a save killed before its commit; a step folder without DCP's .metadata
+    for name in ("step-7.tmp", "step-9"):  # a save killed before its commit; a committed folder without .metadata
         (ck.root / name).mkdir()
         (ck.root / name / "__0_0.distcp").write_bytes(b"x" * 10)
-    assert [p.name for p in incomplete_folders(ck.root)] == ["step-7.tmp", "step-9"]
+    assert [p.name for p in incomplete_folders(ck.root)] == ["step-7.tmp"]  # only .tmp: step-9 was committed
     assert _job(tmp_path, interval=1)[3].load() == 1
     assert incomplete_folders(ck.root) == [] and complete_steps(ck.root) == [1]
-    assert "removing incomplete checkpoint folders (a save was interrupted): step-7.tmp, step-9" in caplog.text
+    assert "removing incomplete checkpoint folders (a save was interrupted): step-7.tmp" in caplog.text
+    assert "skipping damaged checkpoint" in caplog.text and (ck.root / "step-9.corrupt").is_dir()
 
 
 def test_a_preemption_saves_its_step_once(tmp_path, caplog):
@@ -418,3 +419,44 @@ def test_checkpoint_bench_tables_each_modes_first_and_median_later_save(monkeypa
         "| debug | async_with_pinned_mem | 0.400 | nan | 9.0 |"]
     assert [r[2] for r in runs] == [2, 2, 2] and all(
         {"--training.steps=4", "--checkpoint.interval=1", "--optimizer.lr=0.1"} <= set(r[1]) for r in runs)
+
+
+def test_a_committed_checkpoint_missing_its_metadata_is_moved_aside_never_deleted(tmp_path):
+    # Issue 43 item 5: a step-N folder is committed (a save is renamed to it only after every file); without
+    # its .metadata it was taken for an interrupted save and deleted. Only step-N.tmp folders are interrupted.
+    model, opt, sched, ck = _job(tmp_path, interval=1)
+    for step in (1, 2):
+        _train_step(model, opt, sched)
+        ck.maybe_save(step, last_step=2)
+    (step_folder(ck.root, 2) / ".metadata").unlink()
+    (ck.root / "step-3.tmp").mkdir()  # an interrupted save: removed
+    assert checkpoint_problem(step_folder(ck.root, 2)) == ".metadata is missing"
+    assert _job(tmp_path, interval=1)[3].load() == 1
+    assert sorted(p.name for p in ck.root.iterdir()) == ["step-1", "step-2.corrupt"]
+    assert (ck.root / "step-2.corrupt" / "__0_0.distcp").is_file()  # kept for inspection
+
+
+def test_when_every_checkpoint_is_damaged_the_run_refuses_in_one_line_and_keeps_its_metrics(tmp_path):
+    # Issue 43 item 3: the run moved them aside, started from step 1 and truncated metrics.jsonl.
+    from trainlib.errors import ConfigError
+    from trainlib.metrics import MetricsConfig, MetricsLogger
+
+    model, opt, sched, ck = _job(tmp_path, interval=1)
+    for step in (1, 2):
+        _train_step(model, opt, sched)
+        ck.maybe_save(step, last_step=2)
+    for step in (1, 2):
+        (step_folder(ck.root, step) / "__0_0.distcp").unlink()
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n{"step": 2}\n')
+    with pytest.raises(ConfigError, match=r"^every checkpoint in \S+ is damaged \(2, moved aside: step-2.corrupt, "
+                                          r"step-1.corrupt\); nothing was loaded or trained and metrics.jsonl is "
+                                          r"untouched: put an intact checkpoint back, or set "
+                                          r"checkpoint.fresh_start=true to start over") as e:
+        _job(tmp_path, interval=1)[3].load()
+    assert "\n" not in str(e.value)
+    assert sorted(p.name for p in ck.root.iterdir()) == ["step-1.corrupt", "step-2.corrupt"]
+    # A run from step 0 in that folder (fresh_start) keeps the earlier run's records instead of truncating them.
+    MetricsLogger(MetricsConfig(), tmp_path, rank=0, device=torch.device("cpu"), flops_per_token=1.0,
+                  world_size=1).close()
+    assert (tmp_path / "metrics.jsonl.1").read_text() == '{"step": 1}\n{"step": 2}\n'
+    assert (tmp_path / "metrics.jsonl").read_text() == ""

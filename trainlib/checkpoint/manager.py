@@ -131,12 +131,22 @@ def complete_steps(root: str | os.PathLike) -> list[int]:
     return sorted(steps)
 
 
-def incomplete_folders(root: str | os.PathLike) -> list[Path]:
+def committed_steps(root: str | os.PathLike) -> list[int]:
+    """Steps with a committed checkpoint folder under `root` (`step-N`: a save is renamed to it only
+    after every file and the manifest were written), intact or since damaged, ascending."""
     root = Path(root)
     if not root.is_dir():
         return []
-    return sorted(p for p in root.iterdir()
-                  if _TMP_DIR.match(p.name) or (_STEP_DIR.match(p.name) and not (p / ".metadata").is_file()))
+    return sorted(int(m.group(1)) for p in root.iterdir() if p.is_dir() and (m := _STEP_DIR.match(p.name)))
+
+
+def incomplete_folders(root: str | os.PathLike) -> list[Path]:
+    """Folders of interrupted saves (`step-N.tmp`). A committed `step-N` is never one of them, whatever it
+    lacks: a damaged checkpoint is moved aside (Checkpointer.load), not deleted."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if _TMP_DIR.match(p.name))
 
 
 def latest_step(root: str | os.PathLike) -> int | None:
@@ -145,10 +155,13 @@ def latest_step(root: str | os.PathLike) -> int | None:
 
 
 def checkpoint_problem(path: str | os.PathLike) -> str | None:
-    """Why the complete checkpoint folder `path` cannot be loaded: a file
-    recorded in its manifest is missing or has another size. None when every
-    file is as committed (or the folder predates manifests)."""
+    """Why the committed checkpoint folder `path` cannot be loaded: its
+    `.metadata` or a file recorded in its manifest is missing, or has another
+    size. None when every file is as committed (or the folder predates
+    manifests and has its `.metadata`)."""
     path = Path(path)
+    if not (path / ".metadata").is_file():
+        return ".metadata is missing"
     try:
         files = json.loads((path / MANIFEST).read_text())["files"]
     except FileNotFoundError:
@@ -270,7 +283,7 @@ class Checkpointer:
                            f"{', '.join(p.name for p in stale)}")
             for p in stale:
                 shutil.rmtree(p, ignore_errors=True)
-        steps = complete_steps(self.root)
+        steps = committed_steps(self.root)
         if cfg.load_step >= 0:
             if cfg.load_step not in steps:
                 raise ConfigError(f"checkpoint.load_step={cfg.load_step} has no complete checkpoint in {self.root} "
@@ -282,6 +295,12 @@ class Checkpointer:
             step = cfg.load_step
         else:
             step = self._latest_intact(steps)
+            if step is None and steps:  # every checkpoint damaged: training from step 0 would lose the run
+                aside = ", ".join(f"step-{s}.corrupt" for s in reversed(steps))
+                raise ConfigError(
+                    f"every checkpoint in {self.root} is damaged ({len(steps)}, moved aside: {aside}); nothing was "
+                    f"loaded or trained and metrics.jsonl is untouched: put an intact checkpoint back, or set "
+                    f"checkpoint.fresh_start=true to start over from step 0 (it deletes {self.root}, these included)")
             if step is None:
                 return self._initial_load()
         t0 = time.perf_counter()
