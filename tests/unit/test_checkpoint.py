@@ -255,7 +255,7 @@ def test_a_checkpoint_of_another_model_shape_is_one_clear_line(tmp_path, other, 
     model, opt, sched, ck = _job(tmp_path, interval=1)
     ck.maybe_save(1, last_step=1)
     _, _, _, ck2 = _job(tmp_path, model_args=other)
-    with pytest.raises(ConfigError, match=expected + ": load it with the model.flavor / n_layers / vocab_size"):
+    with pytest.raises(ConfigError, match=expected + ": load it with the model.name / flavor / n_layers / vocab_size"):
         ck2.load()
 
 
@@ -460,3 +460,16 @@ def test_when_every_checkpoint_is_damaged_the_run_refuses_in_one_line_and_keeps_
                   world_size=1).close()
     assert (tmp_path / "metrics.jsonl.1").read_text() == '{"step": 1}\n{"step": 2}\n'
     assert (tmp_path / "metrics.jsonl").read_text() == ""
+
+
+def test_a_checkpoint_with_more_layers_than_the_run_is_refused_not_cut(tmp_path):
+    # Issue 43 item 4: a 2-layer run resumed from a 4-layer checkpoint with exit 0, its layers 2 and 3 dropped.
+    from trainlib.errors import ConfigError
+
+    model, opt, sched, ck = _job(tmp_path, model_args={"n_layers": 4}, interval=1)
+    ck.maybe_save(1, last_step=1)
+    with pytest.raises(ConfigError, match=r"^checkpoint \S+step-1 holds 18 weight\(s\) this run's model does not "
+                                          r"have \(layers.2.attention.wk.weight, layers.2.attention.wo.weight, "
+                                          r"layers.2.attention.wq.weight, ...\): load it with the model.name / flavor "
+                                          r"/ n_layers / vocab_size it was saved with$"):
+        _job(tmp_path, model_args={"n_layers": 2}, interval=1)[3].load()

@@ -180,17 +180,28 @@ def checkpoint_problem(path: str | os.PathLike) -> str | None:
 # --------------------------------------------------------------------------- checkpointer
 
 
-def check_model_matches(path: Path, model_sd: dict[str, Any]) -> None:
-    """One clear line instead of DCP's error when the checkpoint's model is not
-    this run's (another flavor, n_layers or vocab_size)."""
+def check_model_matches(path: Path, model_sd: dict[str, Any], whole_model: set[str] | None = None) -> None:
+    """One clear line instead of DCP's error, or of a silent partial load, when
+    the checkpoint's model is not this run's (another flavor, n_layers or
+    vocab_size), in both directions: a weight this run needs that the
+    checkpoint lacks or holds in another shape, and a weight the checkpoint
+    holds that no rank of this run has (`whole_model`: every rank's names;
+    default: this rank's)."""
     meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    fix = "load it with the model.name / flavor / n_layers / vocab_size it was saved with"
     for name, t in model_sd.items():
         m = meta.get(f"model.{name}")
         saved = tuple(m.size) if isinstance(m, TensorStorageMetadata) else None
         if saved != tuple(t.shape):
             what = f"has {name} of shape {list(saved)}" if saved else f"has no {name}"
-            raise ConfigError(f"checkpoint {path} {what}, this run's model needs {list(t.shape)}: "
-                              "load it with the model.flavor / n_layers / vocab_size it was saved with")
+            raise ConfigError(f"checkpoint {path} {what}, this run's model needs {list(t.shape)}: {fix}")
+    ours = whole_model if whole_model is not None else set(model_sd)
+    extra = sorted(k.removeprefix("model.") for k, m in meta.items()
+                   if k.startswith("model.") and isinstance(m, TensorStorageMetadata)
+                   and k.removeprefix("model.") not in ours)
+    if extra:
+        raise ConfigError(f"checkpoint {path} holds {len(extra)} weight(s) this run's model does not have "
+                          f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}): {fix}")
 
 
 def check_optimizer_matches(path: Path, optimizer_sd: dict[str, Any]) -> None:
@@ -333,7 +344,13 @@ class Checkpointer:
         checkpoint folder `path`, in place."""
         states = {k: self.states[k] for k in (keys or self.states)}
         if "model" in states:
-            check_model_matches(Path(path), self.model.state_dict())
+            model_sd = self.model.state_dict()
+            names = set(model_sd)
+            if dist.is_initialized() and dist.get_world_size() > 1:  # pipeline stages hold parts of the model
+                every: list = [None] * dist.get_world_size()
+                dist.all_gather_object(every, sorted(names))
+                names = set().union(*every)
+            check_model_matches(Path(path), model_sd, names)
         if "optimizer" in states:
             check_optimizer_matches(Path(path), states["optimizer"].state_dict())
         # Parts raise a ValueError naming the rule (e.g. a DP degree that
