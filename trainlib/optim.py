@@ -171,5 +171,22 @@ def lr_factor(step: int, total_steps: int, cfg: LRSchedulerConfig) -> float:
     return lo + (1.0 - lo) * 0.5 * (1.0 + math.cos(math.pi * progress))
 
 
-def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, total_steps: int) -> LambdaLR:
-    return LambdaLR(optimizer, lambda step: lr_factor(step, total_steps, cfg))
+class LRSchedule(LambdaLR):
+    """torch's LambdaLR over `lr_factor`, whose peak rates stay the run's own
+    (optimizer.lr) when a checkpoint is loaded: torch's load would restore the
+    checkpoint's base rates, so an `--optimizer.lr` given on resume was
+    ignored. The step count is the checkpoint's; the rate it sets is this
+    run's peak times this run's factor for that step (bitwise the
+    uninterrupted run's when nothing changed)."""
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        base = list(self.base_lrs)
+        super().load_state_dict(state_dict)
+        self.base_lrs = base
+        self._last_lr = [b * fn(self.last_epoch) for fn, b in zip(self.lr_lambdas, base)]
+        for group, lr in zip(self.optimizer.param_groups, self._last_lr):
+            group["lr"] = lr
+
+
+def build_lr_scheduler(optimizer: torch.optim.Optimizer, cfg: LRSchedulerConfig, total_steps: int) -> LRSchedule:
+    return LRSchedule(optimizer, lambda step: lr_factor(step, total_steps, cfg))

@@ -111,7 +111,7 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
         "model": ModelState(built.parts), "optimizer": OptimizerState(built.parts, optimizer),
         "scheduler": scheduler, "dataloader": loader, "guard": guard,
         "trainer": TrainState(tokens_per_step=t.global_batch_size * t.seq_len, model_args=built.model_args,
-                              model_name=cfg.model.name)})
+                              model_name=cfg.model.name, schedule=schedule_settings(cfg))})
     start_step = checkpointer.load()
     validator = build_validator(cfg.validation, tokenizer, t.seq_len, local_bs, grad_accum, t.seed, built.runner)
     profiler = Profiler(cfg.profiling, run_dir, info.rank, info.device, start_step)
@@ -134,6 +134,13 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
                start_step=start_step, guard=guard, validator=validator, profiler=profiler,
                gc_handler=GarbageCollection(t.gc_freq),  # the last built: it freezes what setup built
                monitor=monitor)
+
+
+def schedule_settings(cfg: JobConfig) -> dict:
+    """What the learning-rate schedule follows, by recipe key (a checkpoint records it: trainlib.checkpoint.state)."""
+    keys = {"optimizer.lr": cfg.optimizer.lr, "training.steps": cfg.training.steps}
+    keys.update({f"lr_scheduler.{k}": v for k, v in vars(cfg.lr_scheduler).items()})
+    return keys
 
 
 def forward_backward(job: Job, micro_batches: list[dict], n_targets: torch.Tensor) -> tuple[torch.Tensor, dict]:

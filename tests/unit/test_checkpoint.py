@@ -86,9 +86,11 @@ def test_model_and_optimizer_parts_take_back_a_dict_that_is_not_their_own(tmp_pa
     sd = opt_state.state_dict()
     other = {"state": {k: v + 1 for k, v in sd["state"].items()},
              "param_groups": [{**g, "lr": 0.5, "betas": (0.5, 0.6)} for g in sd["param_groups"]]}
+    betas = [g["betas"] for g in opt.param_groups]
     opt_state.load_state_dict(other)
     assert all(torch.equal(other["state"][k], v) for k, v in opt_state.state_dict()["state"].items())
-    assert all(g["lr"] == 0.5 and g["betas"] == (0.5, 0.6) for g in opt.param_groups)
+    # The hyper-parameters stay the run's (its [optimizer] section): an override on resume takes effect.
+    assert [g["betas"] for g in opt.param_groups] == betas and all(g["lr"] != 0.5 for g in opt.param_groups)
     groups = len(opt.param_groups)
     with pytest.raises(ConfigError, match=f"checkpoint has {groups + 1} optimizer param groups, this optimizer has "
                                           f"{groups}: resume with the same optimizer settings"):
@@ -473,3 +475,34 @@ def test_a_checkpoint_with_more_layers_than_the_run_is_refused_not_cut(tmp_path)
                                           r"layers.2.attention.wq.weight, ...\): load it with the model.name / flavor "
                                           r"/ n_layers / vocab_size it was saved with$"):
         _job(tmp_path, model_args={"n_layers": 2}, interval=1)[3].load()
+
+
+def test_optimizer_and_schedule_overrides_on_resume_take_effect_and_say_so(tmp_path, caplog):
+    # Issue 43 item 8: --optimizer.lr on resume was ignored (the scheduler's saved base rates won), a new
+    # weight decay too (the saved param groups won), and --training.steps re-stretched the schedule silently.
+    from trainlib.optim import LRSchedulerConfig, OptimizerConfig, build_lr_scheduler, build_optimizer
+
+    model, opt, sched, ck = _job(tmp_path, interval=1)
+    ck.states["trainer"].schedule = {"optimizer.lr": 3e-4, "training.steps": 10}
+    for step in (1, 2, 3):
+        _train_step(model, opt, sched)
+        ck.maybe_save(step, last_step=3)
+    lr_at_3 = opt.param_groups[0]["lr"]
+    # Nothing changed: the rate is bitwise the uninterrupted run's.
+    model2, opt2, sched2, ck2 = _job(tmp_path, interval=1)
+    ck2.states["trainer"].schedule = {"optimizer.lr": 3e-4, "training.steps": 10}
+    caplog.set_level("INFO", logger="trainlib")
+    assert ck2.load() == 3 and opt2.param_groups[0]["lr"] == lr_at_3 and "resumed with other" not in caplog.text
+    # lr 1e-3 and weight decay 0.05 given on resume, and 20 steps instead of 10.
+    model3, opt3, sched3, ck3 = _job(tmp_path, interval=1, optimizer={"lr": 1e-3, "weight_decay": 0.05})
+    sched3 = build_lr_scheduler(opt3, LRSchedulerConfig(warmup_steps=2), 20)
+    ck3.states["scheduler"], ck3.states["trainer"].schedule = sched3, {"optimizer.lr": 1e-3, "training.steps": 20}
+    assert ck3.load() == 3
+    from trainlib.optim import lr_factor
+
+    assert opt3.param_groups[0]["lr"] == 1e-3 * lr_factor(3, 20, LRSchedulerConfig(warmup_steps=2))
+    assert opt3.param_groups[0]["weight_decay"] == 0.05
+    assert ("resumed at step 3 with other schedule settings than the checkpoint's run (optimizer.lr 0.0003 -> "
+            "0.001, training.steps 10 -> 20): the learning rate from step 4 on follows the new ones") in caplog.text
+    assert ("resumed with other optimizer settings than the checkpoint's run (weight_decay 0.1 -> 0.05): the new "
+            "ones apply from the resumed step on") in caplog.text

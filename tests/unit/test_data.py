@@ -220,11 +220,12 @@ def test_packing_correctness(docs_file):
                 assert row_pos[j] == expect
 
 
-def test_null_text_is_an_empty_document(tmp_path):
+def test_a_null_text_is_no_document(tmp_path):
+    # Skipped and counted (the test below), not trained on as an empty [BOS][EOS] document.
     path = tmp_path / "nulls.jsonl"
     path.write_text('{"text": "ab"}\n{"text": null}\n{"text": "c"}\n')
     got = next(build_dataloader(DataConfig(path=str(path)), BYTE, 8, 1))["input"][0].tolist()
-    assert got == token_stream(["ab", "", "c"], epochs=2)[:8]
+    assert got == token_stream(["ab", "c"], epochs=3)[:8]
 
 
 def test_packing_window_longer_than_documents(docs_file):
@@ -305,7 +306,7 @@ def test_resume_identical(docs_file, shuffle):
         dl = build_dataloader(cfg, BYTE, L, b, seed=3)
         take(dl, cut)
         sd = dl.state_dict()
-        assert all(isinstance(v, (int, bool)) for v in sd.values())
+        assert all(isinstance(v, (int, bool)) for k, v in sd.items() if k != "sources")  # + one JSON string
         resumed = build_dataloader(cfg, BYTE, L, b, seed=3)
         resumed.load_state_dict(sd)
         assert resumed.state_dict() == sd
@@ -547,3 +548,41 @@ def test_shipped_corpus_holds_out_validation_chapters():
     assert val[:3] == ["Genesis 30", "Exodus 10", "Exodus 40"] and val[-1] == "Revelation 3"
 
 
+
+
+def test_a_resume_over_raw_files_that_changed_says_what_changed(tmp_path, caplog):
+    # Issue 43 item 8: files added to a raw-data folder changed the resumed samples without a word.
+    folder = tmp_path / "raw"
+    folder.mkdir()
+    (folder / "a.jsonl").write_text("".join(f'{{"text": "doc {i}"}}\n' for i in range(50)))
+    (folder / "b.jsonl").write_text("".join(f'{{"text": "more {i}"}}\n' for i in range(50)))
+    first = build_dataloader(DataConfig(path=str(folder)), BYTE, 16, 2)
+    take(first, 3)
+    sd = first.state_dict()
+    caplog.set_level("INFO", logger="trainlib")
+    build_dataloader(DataConfig(path=str(folder)), BYTE, 16, 2).load_state_dict(sd)
+    assert "resumed with other raw data" not in caplog.text
+    (folder / "c.jsonl").write_text('{"text": "new"}\n')
+    (folder / "b.jsonl").write_text('{"text": "shorter"}\n')
+    build_dataloader(DataConfig(path=str(folder)), BYTE, 16, 2).load_state_dict(sd)
+    assert ("resumed with other raw data than the checkpoint's run (1 file(s) added: c.jsonl; 1 file(s) of another "
+            "size: b.jsonl): from sample 6 on, the samples are not those that run would have trained on") in caplog.text
+
+
+def test_records_without_the_text_field_are_skipped_counted_and_refused_past_a_share(tmp_path, caplog):
+    # Issue 43 item 9: such records became empty documents ([BOS][EOS]) without a word.
+    from trainlib.data.dataset import _DocumentSource
+    from trainlib.errors import ConfigError
+
+    few = tmp_path / "few.jsonl"
+    few.write_text("".join('{"body": "x"}\n' if i == 5 else f'{{"text": "doc {i}"}}\n' for i in range(400)))
+    caplog.set_level("INFO", logger="trainlib")
+    docs = list(_DocumentSource(DataConfig(path=str(few)), 0).documents(0))
+    assert len(docs) == 399 and "" not in docs
+    assert f"record 6 of data.path={str(few)!r} has no 'text' field (or a null one): skipped" in caplog.text
+    many = tmp_path / "many.jsonl"
+    many.write_text("".join('{"body": "x"}\n' if i % 10 == 0 else f'{{"text": "doc {i}"}}\n' for i in range(400)))
+    with pytest.raises(ConfigError, match=r"^10 of the first 91 records of data.path=\S+ have no data.text_field="
+                                          r"'text' \(more than 1%\): set data.text_field to the field that holds "
+                                          r"the text \(fields of record 91: \['body', 'text'\]\), or clean"):
+        list(_DocumentSource(DataConfig(path=str(many)), 0).documents(0))

@@ -33,7 +33,6 @@ A save is refused (TrainingStopped, on every rank) when any part holds a NaN or 
 
 from __future__ import annotations
 
-import contextlib
 import errno
 import json
 import logging
@@ -217,20 +216,33 @@ def check_optimizer_matches(path: Path, optimizer_sd: dict[str, Any]) -> None:
                               f"{mine} (optimizer.state_dtype): load it with optimizer.state_dtype = '{saved}'")
 
 
-@contextlib.contextmanager
-def _without_unrecorded_family(path: Path, trainer: Stateful | None):
-    """Checkpoints written before the family was recorded (trainer.model_name)
-    load as they were: the run's TrainState asks for no key they lack."""
-    name = getattr(trainer, "model_name", None)
-    keys = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata if name is not None else {}
-    if name is None or "trainer.model_name" in keys:
-        yield
-        return
-    trainer.model_name = None
-    try:
-        yield
-    finally:
-        trainer.model_name = name
+class _WithoutKeys:
+    """A Stateful part that asks a load for none of `drop`: keys it records that an older checkpoint,
+    written before it recorded them, lacks (the part's `optional_keys`)."""
+
+    def __init__(self, part: Stateful, drop: set[str]):
+        self.part, self.drop = part, drop
+
+    def state_dict(self) -> dict[str, Any]:
+        return {k: v for k, v in self.part.state_dict().items() if k not in self.drop}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.part.load_state_dict(sd)
+
+
+def _asking_only_what_was_saved(path: Path, states: dict[str, Stateful]) -> dict[str, Stateful]:
+    """`states`, each part asking a load only for the optional keys the checkpoint has: a checkpoint
+    written before a part recorded a key (the family, the schedule's settings, the data's files) loads
+    as it was."""
+    optional = {key: set(getattr(part, "optional_keys", ())) for key, part in states.items()}
+    if not any(optional.values()):
+        return states
+    saved = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
+    out = {}
+    for key, part in states.items():
+        missing = {k for k in optional[key] if f"{key}.{k}" not in saved}
+        out[key] = _WithoutKeys(part, missing) if missing else part
+    return out
 
 
 class Checkpointer:
@@ -355,8 +367,7 @@ class Checkpointer:
             check_optimizer_matches(Path(path), states["optimizer"].state_dict())
         # Parts raise a ValueError naming the rule (e.g. a DP degree that
         # cannot continue the data stream exactly) before any step runs.
-        with _without_unrecorded_family(Path(path), states.get("trainer")):
-            dcp.load(states, checkpoint_id=str(path))
+        dcp.load(_asking_only_what_was_saved(Path(path), states), checkpoint_id=str(path))
 
     def restore_latest(self, exclude: Iterable[str] = ()) -> int | None:
         """Load the parts not in `exclude` from the latest complete checkpoint

@@ -10,6 +10,8 @@ the model, the optimizer and the run's own position need the adapters here.
 
 from __future__ import annotations
 
+import json
+import logging
 import math
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -22,6 +24,8 @@ from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_
 
 from trainlib.errors import ConfigError
 from trainlib.params import canonical_name
+
+logger = logging.getLogger("trainlib")
 
 
 class ModelState:
@@ -42,6 +46,15 @@ class ModelState:
         # strict=False: each part takes its own keys (PP stages hold disjoint blocks).
         for part in self.model_parts:
             set_model_state_dict(part, sd, options=StateDictOptions(strict=False))
+
+
+# AdamW's hyper-parameters a checkpoint records in its param groups (the run's config sets them).
+HYPER_PARAMETERS = ("betas", "eps", "weight_decay", "amsgrad", "maximize")
+
+
+def _plain(v: Any) -> Any:
+    """A param group's value as saved and as set compare alike (a checkpoint holds tuples as lists)."""
+    return list(v) if isinstance(v, (tuple, list)) else v
 
 
 class OptimizerState:
@@ -78,8 +91,17 @@ class OptimizerState:
         if len(sd["param_groups"]) != len(self.optimizer.param_groups):
             raise ConfigError(f"checkpoint has {len(sd['param_groups'])} optimizer param groups, this optimizer has "
                               f"{len(self.optimizer.param_groups)}: resume with the same optimizer settings")
-        for g, saved in zip(self.optimizer.param_groups, sd["param_groups"]):
-            g.update(saved)
+        # The hyper-parameters are the run's ([optimizer]), not the checkpoint's: an override on resume takes
+        # effect, and says so. The rates are the schedule's (trainlib.optim.LRSchedule sets them on its load).
+        changed = {}
+        for i, (g, saved) in enumerate(zip(self.optimizer.param_groups, sd["param_groups"])):
+            for k in HYPER_PARAMETERS:
+                if k in saved and k in g and _plain(saved[k]) != _plain(g[k]):
+                    changed[k] = (_plain(saved[k]), _plain(g[k]))
+        if changed:
+            logger.warning("resumed with other optimizer settings than the checkpoint's run ("
+                           + ", ".join(f"{k} {a} -> {b}" for k, (a, b) in sorted(changed.items()))
+                           + "): the new ones apply from the resumed step on")
 
     def _ensure_state(self) -> None:
         """A fresh optimizer has no state tensors for DCP to load into: create
@@ -117,6 +139,11 @@ class TrainState:
     step: int = 0
     tokens_seen: int = 0
     model_name: str | None = None
+    # The settings the learning-rate schedule follows (optimizer.lr, lr_scheduler.*, training.steps): a
+    # resume that changes them says so in one line (they take effect from the resumed step on).
+    schedule: dict | None = None
+    # Keys older checkpoints lack (trainlib.checkpoint.manager asks a load only for those it has).
+    optional_keys = ("model_name", "schedule")
 
     def advance(self, step: int) -> None:
         self.step = step
@@ -130,10 +157,18 @@ class TrainState:
               "model_args": asdict(self.model_args) if self.model_args is not None else {}}
         if self.model_name is not None:
             sd["model_name"] = self.model_name
+        if self.schedule is not None:
+            sd["schedule"] = json.dumps(self.schedule, sort_keys=True)
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
+        saved = json.loads(sd["schedule"]) if isinstance(sd.get("schedule"), str) else None
+        if saved is not None and self.schedule is not None and saved != self.schedule:
+            changed = ", ".join(f"{k} {saved.get(k)} -> {self.schedule.get(k)}"
+                                for k in sorted(set(saved) | set(self.schedule)) if saved.get(k) != self.schedule.get(k))
+            logger.warning(f"resumed at step {self.step} with other schedule settings than the checkpoint's run "
+                           f"({changed}): the learning rate from step {self.step + 1} on follows the new ones")
         torch.set_rng_state(sd["rng"]["cpu"])
         if "cuda" in sd["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(sd["rng"]["cuda"])

@@ -32,6 +32,8 @@ prepared folder or ``data.mixture`` is set.
 from __future__ import annotations
 
 import glob
+import json
+import logging
 import os
 import warnings
 from collections import deque
@@ -44,6 +46,8 @@ import torch
 
 from trainlib.data.prepared import PreparedDataLoader, build_prepared_loader, is_prepared
 from trainlib.errors import ConfigError
+
+logger = logging.getLogger("trainlib")
 
 __all__ = [
     "DataConfig",
@@ -150,6 +154,12 @@ def resolve_data_files(path: str) -> tuple[str, list[str]]:
     return formats[0], files  # type: ignore[return-value]
 
 
+# Records without the text field: skipped and counted; past this share of the records read (and at least
+# this many), the data is refused (_DocumentSource._texts).
+MAX_MISSING_SHARE = 0.01
+MIN_MISSING_TO_STOP = 10
+
+
 class _DocumentSource:
     """Opens the document stream (texts, in global order) for a given epoch through `datasets`."""
 
@@ -166,6 +176,25 @@ class _DocumentSource:
             self.builder, self.files = resolve_data_files(path)
             self.description = f"data.path={path!r}"
         self._dataset: Any = None  # the `datasets.IterableDataset`, loaded on first use
+
+    def fingerprint(self) -> dict:
+        """What the document stream is read from: the files (by name, with their sizes) or the HF dataset."""
+        if self.cfg.hf_dataset is not None:
+            return {"hf_dataset": [self.cfg.hf_dataset, self.cfg.hf_subset, self.cfg.split]}
+        return {"files": {os.path.basename(f): os.path.getsize(f) for f in self.files}}
+
+    def changes_since(self, saved: dict) -> str:
+        """What differs from a checkpoint's `fingerprint`, in words ("" when nothing)."""
+        now = self.fingerprint()
+        if "files" not in saved or "files" not in now:
+            return "" if saved == now else f"{saved} -> {now}"
+        before, after = saved["files"], now["files"]
+        parts = []
+        for what, names in (("added", sorted(set(after) - set(before))), ("removed", sorted(set(before) - set(after))),
+                            ("of another size", sorted(n for n in set(before) & set(after) if before[n] != after[n]))):
+            if names:
+                parts.append(f"{len(names)} file(s) {what}: {', '.join(names[:3])}{', ...' if len(names) > 3 else ''}")
+        return "; ".join(parts)
 
     def _load(self) -> Any:
         if self._dataset is None:
@@ -201,8 +230,14 @@ class _DocumentSource:
         return self._texts(ds)
 
     def _texts(self, ds: Any) -> Iterator[str]:
+        """The records' texts. A record without the text field (or with a null one: `datasets` fills a
+        field some records lack with None) is no document: it is skipped and counted, the first one
+        said in a line, and the run stops once they pass MAX_MISSING_SHARE of the records read (at
+        least MIN_MISSING_TO_STOP of them): training on them as empty documents would be silent."""
         name = self.cfg.text_field
+        records = missing = 0
         for example in ds:
+            records += 1
             try:
                 text = example[name]
             except KeyError:
@@ -211,8 +246,17 @@ class _DocumentSource:
                     f"fields present: {sorted(example)}"
                 ) from None
             if text is None:
-                text = ""
-            elif not isinstance(text, str):
+                missing += 1
+                if missing == 1:
+                    logger.warning(f"record {records} of {self.description} has no {name!r} field (or a null "
+                                   f"one): skipped, and such records are counted (data.text_field)")
+                if missing >= MIN_MISSING_TO_STOP and missing > MAX_MISSING_SHARE * records:
+                    raise ConfigError(
+                        f"{missing} of the first {records} records of {self.description} have no "
+                        f"data.text_field={name!r} (more than {MAX_MISSING_SHARE:.0%}): set data.text_field to the "
+                        f"field that holds the text (fields of record {records}: {sorted(example)}), or clean the data")
+                continue
+            if not isinstance(text, str):
                 raise ConfigError(
                     f"data.text_field={name!r} of {self.description} holds {type(text).__name__}, not text"
                 )
@@ -430,9 +474,13 @@ class PackedDataLoader:
         name = self.cfg.hf_dataset or self.cfg.path or DEFAULT_CORPUS_PATH
         return {name: self.samples_consumed * self.seq_len}
 
+    # Keys older checkpoints lack (trainlib.checkpoint.manager asks a load only for those it has).
+    optional_keys = ("sources",)
+
     def state_dict(self) -> dict:
         epoch, doc_index, token_offset = self._stream.position()
         return {
+            "sources": json.dumps(self._source.fingerprint()),
             "version": _STATE_VERSION,
             "epoch": int(epoch),
             "doc_index": int(doc_index),
@@ -477,6 +525,11 @@ class PackedDataLoader:
                 "data state_dict was saved with a different shuffle_documents/seed: the resumed document order differs",
                 stacklevel=2,
             )
+        if isinstance(sd.get("sources"), str):
+            changed = self._source.changes_since(json.loads(sd["sources"]))
+            if changed:
+                logger.warning(f"resumed with other raw data than the checkpoint's run ({changed}): from sample "
+                               f"{consumed} on, the samples are not those that run would have trained on")
         self._stream.seek(get("epoch"), get("doc_index"), get("token_offset"))
         self.samples_consumed = consumed
 
