@@ -58,11 +58,14 @@ class TrainingStopped(RuntimeError):
 
 
 class Preempted(Exception):
-    """Raised on every rank once the preemption checkpoint of `step` is complete (exit code 75)."""
+    """Raised on every rank once the preemption checkpoint of `step` is complete (exit code 75): after
+    SIGTERM or SIGUSR1, or Ctrl-C (`interrupted`). `saved`: whether checkpoints are on (off, there is none)."""
 
-    def __init__(self, step: int):
-        super().__init__(f"SIGTERM or SIGUSR1: stopped after step {step}, its checkpoint is saved; launch the same "
-                         f"command again to continue")
+    def __init__(self, step: int, interrupted: bool = False, saved: bool = True):
+        what = "Ctrl-C" if interrupted else "SIGTERM or SIGUSR1"
+        done = ("its checkpoint is saved; launch the same command again to continue" if saved else
+                "no checkpoint was saved (checkpoint.enable is false), so a new launch starts from step 0")
+        super().__init__(f"{what}: stopped after step {step}, {done}")
         self.step = step
 
 

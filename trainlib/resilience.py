@@ -1,8 +1,8 @@
 """What the loop does at the start and end of every step besides training:
 preemption, the hang watchdog, and the per-rank step-time spread.
 
-Preemption. SIGTERM, or SIGUSR1 (what SLURM sends with `--signal`), only sets
-a flag. Once per step the ranks all-reduce (MAX) that flag on a gloo group of
+Preemption. SIGTERM, SIGUSR1 (what SLURM sends with `--signal`) or Ctrl-C
+(SIGINT; a second Ctrl-C aborts at once, exit 130) only sets a flag. Once per step the ranks all-reduce (MAX) that flag on a gloo group of
 their own: the all-reduce starts with the step and is awaited at its end, so it
 runs alongside the step instead of after it. Every rank gets the same result
 for the same step, so all of them stop after the same step even when the
@@ -56,7 +56,9 @@ import torch.distributed as dist
 
 from trainlib.errors import EXIT_HUNG, ConfigError
 
-PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1)
+# Ctrl-C (SIGINT) too: the same stop with a checkpoint; a second Ctrl-C aborts at once (Preemption._on_signal).
+PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
+EXIT_ABORTED = 130  # a second Ctrl-C: 128 + SIGINT, as a shell reports it
 _HANG_KEY = "trainlib/hang"
 _MONITOR = "trainlib_monitor"  # the description of StepMonitor's process group
 
@@ -92,20 +94,27 @@ class Preemption:
                 self._previous[sig] = signal.signal(sig, self._on_signal)
 
     def _on_signal(self, signum, frame) -> None:
-        # No logging here: the handler may run while the main thread holds a logging lock.
+        # No logging here: the handler may run while the main thread holds a logging lock; os.write is safe.
+        if signum == signal.SIGINT and self.received is not None:
+            os.write(2, b"trainlib: Ctrl-C again: aborting now, without the step's checkpoint\n")
+            os._exit(EXIT_ABORTED)
+        if signum == signal.SIGINT:
+            os.write(2, b"trainlib: Ctrl-C: stopping after this step with its checkpoint "
+                        b"(Ctrl-C again aborts at once)\n")
         self.received = self.received or signal.Signals(signum)
 
     def start_step(self) -> None:
-        self._flag.fill_(self.received is not None)
+        # The signal's number, so every rank learns which stop was agreed (MAX: SIGTERM, SIGUSR1, then SIGINT).
+        self._flag.fill_(int(self.received) if self.received is not None else 0)
         if self.group is not None:
             self._work = dist.all_reduce(self._flag, op=dist.ReduceOp.MAX, group=self.group, async_op=True)
 
-    def stop_agreed(self) -> bool:
-        """Whether any rank had a preemption signal when this step started (the same answer on every rank)."""
+    def stop_agreed(self) -> signal.Signals | None:
+        """The stop signal any rank had when this step started (the same answer on every rank), or None."""
         if self._work is not None:
             self._work.wait()
             self._work = None
-        return bool(self._flag_view[0])
+        return signal.Signals(int(self._flag_view[0])) if self._flag_view[0] else None
 
     def close(self) -> None:
         """Restore the previous handlers, unless a signal came to this rank or a
@@ -341,7 +350,8 @@ class StepMonitor:
             self.watchdog.start_step(step, watched=self._steps_done > 0)
         self._t0 = time.perf_counter()
 
-    def end_step(self) -> bool:
+    def end_step(self) -> signal.Signals | None:
+        """The stop signal every rank agreed on (see Preemption), or None."""
         stop = self.preemption.stop_agreed()
         seconds = time.perf_counter() - self._t0
         self._window.append(seconds)

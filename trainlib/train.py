@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -192,9 +193,9 @@ def train_loop(job: Job) -> list[dict]:
                 continue
         job.checkpointer.maybe_save(step, t.steps)
         job.profiler.step(step)
-        if preempted:  # SIGTERM/SIGUSR1 reached a rank: every rank stops after this step, with its checkpoint
+        if preempted:  # SIGTERM/SIGUSR1/Ctrl-C reached a rank: every rank stops after this step, with its checkpoint
             job.checkpointer.save_now()
-            raise Preempted(step)
+            raise Preempted(step, interrupted=preempted == signal.SIGINT, saved=cfg.checkpoint.enable)
     job.checkpointer.close()
     if cfg.checkpoint.export_hf:
         job.checkpointer.export_hf(job.run_dir / "hf")

@@ -18,7 +18,7 @@ def _check(rank, world):
         os.kill(os.getpid(), signal.SIGUSR1)  # SLURM's --signal reaches this rank only
     dist.barrier()
     p.start_step()
-    assert p.stop_agreed()
+    assert p.stop_agreed() == signal.SIGUSR1  # every rank learns which signal (rank 0 got none)
     assert (p.received is not None) == (rank == 1)
     p.close()
     assert signal.getsignal(signal.SIGTERM) is ours, rank  # rank 0 too: it got no signal but is stopping

@@ -327,11 +327,16 @@ def test_sigterm_to_one_rank_stops_every_rank_after_the_same_step_with_a_checkpo
     assert _curve(folder) == straight(layout)
 
 
-def test_sigusr1_saves_and_exits_75_then_the_relaunch_continues(tmp_path, straight):
+@pytest.mark.parametrize("sig", ["USR1", "INT"])
+def test_sigusr1_or_ctrl_c_saves_and_exits_75_then_the_relaunch_continues(tmp_path, straight, sig):
+    # Ctrl-C (SIGINT) takes SIGTERM's path (issue 43 item 10): it printed a traceback and saved nothing.
     folder = tmp_path / "run"
     extra = ["--checkpoint.interval=4"]
-    _run(folder, {}, extra, fault="after_step:5:0:USR1", rc=EXIT_PREEMPTED)
+    proc = _run(folder, {}, extra, fault=f"after_step:5:0:{sig}", rc=EXIT_PREEMPTED)
     assert complete_steps(folder / "checkpoint") == [4, 6] and _steps(folder)[-1] == 6
+    said = "Ctrl-C" if sig == "INT" else "SIGTERM or SIGUSR1"
+    assert f"trainlib: preempted: {said}: stopped after step 6, its checkpoint is saved" in proc.stderr
+    assert "Traceback" not in proc.stderr
     proc = _run(folder, {}, extra)
     assert "step-6 (step 6" in proc.stdout
     assert _curve(folder) == straight({})

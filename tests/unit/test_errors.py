@@ -231,6 +231,9 @@ def test_verdict_lines_of_a_stop_and_a_preemption_are_said_by_local_rank_0(capsy
     assert preempted.step == 4  # what a caller restarting the job reads
     assert verdict_line(preempted) == ("trainlib: preempted: SIGTERM or SIGUSR1: stopped after step 4, its "
                                        "checkpoint is saved; launch the same command again to continue")
+    assert verdict_line(Preempted(5, interrupted=True, saved=False)) == (
+        "trainlib: preempted: Ctrl-C: stopped after step 5, no checkpoint was saved (checkpoint.enable is false), "
+        "so a new launch starts from step 0")  # it said "saved" with checkpoints off
     assert verdict_line(TrainingStopped("step 3: loss is nan")) == "trainlib: stopped: step 3: loss is nan"
     for local_rank, said in (("1", ""), ("0", "a verdict\n")):  # every rank reaches it alike: one copy a node
         monkeypatch.setenv("LOCAL_RANK", local_rank)

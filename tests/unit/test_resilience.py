@@ -45,6 +45,30 @@ def test_a_preemption_signal_stops_after_the_next_step_and_the_handler_stays_for
     os.kill(os.getpid(), signal.SIGUSR1)  # torchrun's SIGTERM to the other workers, say: ignored
 
 
+def test_ctrl_c_stops_like_sigterm_and_a_second_one_aborts_at_once(handlers):
+    # Issue 43 item 10: Ctrl-C printed a traceback per rank and saved nothing.
+    import subprocess
+    import sys
+    import textwrap
+
+    code = textwrap.dedent("""
+        import os, signal, time
+        from trainlib.resilience import Preemption
+        p = Preemption(group=None)
+        p.start_step()
+        os.kill(os.getpid(), signal.SIGINT)  # the first Ctrl-C: a stop after the step, like SIGTERM
+        p.start_step()
+        print("agreed", p.stop_agreed().name, flush=True)
+        os.kill(os.getpid(), signal.SIGINT)  # the second: at once
+        time.sleep(5)
+        print("not reached")
+    """)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 130 and proc.stdout == "agreed SIGINT\n", (proc.stdout, proc.stderr)
+    assert proc.stderr == ("trainlib: Ctrl-C: stopping after this step with its checkpoint (Ctrl-C again aborts at "
+                           "once)\ntrainlib: Ctrl-C again: aborting now, without the step's checkpoint\n")
+
+
 def test_the_stop_is_the_all_reduced_flag_read_after_the_reduction_completes(monkeypatch, handlers):
     """Another rank's signal reaches this one through the flag's asynchronous MAX all-reduce, started with
     the step and complete only once waited for: the answer at the step's end must be the reduced flag."""
@@ -53,13 +77,13 @@ def test_the_stop_is_the_all_reduced_flag_read_after_the_reduction_completes(mon
             self.flag = flag
 
         def wait(self):
-            self.flag.fill_(1)  # the other rank had a signal
+            self.flag.fill_(int(signal.SIGTERM))  # the other rank had a signal
 
     monkeypatch.setattr(dist, "all_reduce", lambda flag, op, group, async_op: Pending(flag))
     p = Preemption(group=object())
     try:
         p.start_step()
-        assert p.received is None and p.stop_agreed()
+        assert p.received is None and p.stop_agreed() == signal.SIGTERM
     finally:
         p.close()
 
@@ -229,17 +253,17 @@ def test_step_monitor_times_steps_for_the_spread_and_passes_the_stop_on(tmp_path
         for seconds in (0.05, 0.25):
             monitor.start_step(1)
             time.sleep(seconds)
-            assert monitor.end_step() is False
+            assert monitor.end_step() is None
         spread = monitor.spread()  # the mean of the steps since the last call, per rank
         assert 0.15 <= spread["step_time_max_s"] < 0.3 and spread["step_time_max_s"] == spread["step_time_min_s"]
         assert spread["step_time_max_rank"] == spread["step_time_min_rank"] == 0
         monitor.start_step(2)
-        assert monitor.end_step() is False
+        assert monitor.end_step() is None
         assert monitor.spread()["step_time_max_s"] < 0.05  # the window started again
         monitor.start_step(3)
         os.kill(os.getpid(), signal.SIGUSR1)
         monitor.start_step(4)  # the flag is read when a step starts
-        assert monitor.end_step() is True
+        assert monitor.end_step() == signal.SIGUSR1
     finally:
         monitor.close()
 
