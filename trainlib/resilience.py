@@ -375,3 +375,35 @@ class StepMonitor:
         self.preemption.close()
         if self.watchdog is not None:
             self.watchdog.close()
+
+
+class RunLock:
+    """One live run per run folder: an exclusive `flock` on `<run>/.trainlib.lock`,
+    held by rank 0 for the job's life. The operating system drops it when the
+    process ends, however it ends, so a crashed run never leaves it stuck; a
+    second launch into a folder a live run holds is one line naming that run.
+    (flock over NFS depends on the mount: local and Lustre/GPFS mounts honour it.)"""
+
+    NAME = ".trainlib.lock"
+
+    def __init__(self, run_dir: str | os.PathLike):
+        import fcntl
+        import socket
+
+        self.path = Path(run_dir) / self.NAME
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(self._fd, 512, 0).decode(errors="replace").strip() or "a live run"
+            os.close(self._fd)
+            raise ConfigError(f"run folder {Path(run_dir)} is in use by {holder}: one live run per folder; wait for "
+                              f"it to end, or give this one another job.dump_folder") from None
+        os.ftruncate(self._fd, 0)
+        os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}, started "
+                            f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the descriptor releases the lock
+            self._fd = None

@@ -27,7 +27,8 @@ from trainlib.checkpoint.manager import latest_step, step_folder
 from trainlib.config import ConfigError, JobConfig, config_to_dict, load_job_config, save_config
 from trainlib.config.validate import resolve_local_batch_size, validate_job, validate_machine
 from trainlib.data import DataLoader, build_dataloader, build_tokenizer
-from trainlib.distributed import DistInfo, barrier, destroy_distributed, init_distributed, set_collective_timeout
+from trainlib.distributed import (DistInfo, barrier, destroy_distributed, from_rank0, init_distributed,
+                                  set_collective_timeout)
 from trainlib.errors import (EXIT_INTERNAL, EXIT_PREEMPTED, EXIT_STOPPED, EXIT_USER, Preempted, TrainingStopped,
                              print_once_per_node, report_crash, report_user_error, verdict_line)
 from trainlib.guard import Guard
@@ -37,7 +38,7 @@ from trainlib.models.registry import get_model_spec, model_args
 from trainlib.optim import build_lr_scheduler, build_optimizer, implementation_of
 from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
 from trainlib.profiling import GarbageCollection, Profiler
-from trainlib.resilience import StepMonitor
+from trainlib.resilience import RunLock, StepMonitor
 from trainlib.step import StepRunner
 from trainlib.validation import Validator, build_validator
 
@@ -64,6 +65,7 @@ class Job:
     profiler: Profiler | None = None
     gc_handler: GarbageCollection | None = None
     monitor: StepMonitor | None = None  # preemption, hang watchdog, step-time spread
+    run_lock: RunLock | None = None  # rank 0's: one live run per run folder
 
     @property
     def model_parts(self) -> list[nn.Module]:
@@ -77,7 +79,8 @@ class Job:
         custom loop calls it after its last step. A thread left running may be
         inside a torch call when the interpreter exits, which aborts the process
         ("terminate called without an active exception") after a good run."""
-        for part in (self.monitor, self.loader, self.validator, self.gc_handler, self.profiler, self.metrics):
+        for part in (self.monitor, self.loader, self.validator, self.gc_handler, self.profiler, self.metrics,
+                     self.run_lock):
             if part is not None:
                 part.close()
 
@@ -85,7 +88,6 @@ class Job:
 def setup(cfg: JobConfig, info: DistInfo) -> Job:
     """Validate and build. Every user-input error surfaces here, before any
     step runs, as a ConfigError whose message says what to change."""
-    t = cfg.training
     dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
     tokenizer = build_tokenizer(cfg.tokenizer)
     validate_job(cfg, dims, model_args(cfg.model), tokenizer.vocab_size)
@@ -94,8 +96,29 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     dims.build_mesh(info.device.type)
 
     run_dir = Path(cfg.job.dump_folder)
+    lock, busy = None, None
     if info.rank == 0:
         run_dir.mkdir(parents=True, exist_ok=True)
+        try:  # before anything is written there: a live run's files are not touched
+            lock = RunLock(run_dir)
+        except ConfigError as e:
+            busy = str(e)
+    busy = from_rank0(busy)  # every rank of this launch stops alike
+    if busy is not None:
+        raise ConfigError(busy)
+    try:
+        return _build_job(cfg, info, dims, tokenizer, local_bs, grad_accum, run_dir, lock)
+    except BaseException:  # the folder is free again for the next launch of this process (a retry, a test)
+        if lock is not None:
+            lock.close()
+        raise
+
+
+def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, tokenizer, local_bs: int, grad_accum: int,
+               run_dir: Path, lock: RunLock | None) -> Job:
+    """`setup` from the run folder on, once this launch holds it."""
+    t = cfg.training
+    if info.rank == 0:
         save_config(cfg, run_dir / "config.toml")
 
     built = build_model_parts(cfg, dims, info.device)  # meta build, float8, PP split, parallelize
@@ -134,7 +157,7 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
                loader=loader, metrics=metrics, grad_accum=grad_accum, run_dir=run_dir, checkpointer=checkpointer,
                start_step=start_step, guard=guard, validator=validator, profiler=profiler,
                gc_handler=GarbageCollection(t.gc_freq),  # the last built: it freezes what setup built
-               monitor=monitor)
+               monitor=monitor, run_lock=lock)
 
 
 def schedule_settings(cfg: JobConfig) -> dict:

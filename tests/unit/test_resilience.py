@@ -383,3 +383,44 @@ def test_nccl_flight_recorder_dumps_into_the_run_folder_where_the_user_set_nothi
     monkeypatch.delenv("TORCH_NCCL_TRACE_BUFFER_SIZE")
     _nccl_flight_recorder(tmp_path / "hang")
     assert os.environ["TORCH_NCCL_TRACE_BUFFER_SIZE"] == "2000"
+
+
+def test_one_live_run_per_folder_and_a_crashed_run_leaves_no_lock(tmp_path):
+    # Issue 43 item 6: two launches into one folder raced (one deleted the other's temporary checkpoint, one
+    # died with a traceback, metrics.jsonl got a torn line).
+    import subprocess
+    import sys
+
+    from trainlib.errors import ConfigError
+    from trainlib.resilience import RunLock
+
+    held = RunLock(tmp_path)
+    holder = subprocess.run([sys.executable, "-c", f"from trainlib.resilience import RunLock; RunLock({str(tmp_path)!r})"],
+                            capture_output=True, text=True, timeout=60)
+    assert holder.returncode == 1 and "ConfigError: run folder" in holder.stderr
+    with pytest.raises(ConfigError, match=rf"^run folder {tmp_path} is in use by pid {os.getpid()} on \S+, started "
+                                          r"[0-9: -]+: one live run per folder; wait for it to end, or give this one "
+                                          r"another job.dump_folder$"):
+        RunLock(tmp_path)
+    held.close()
+    RunLock(tmp_path).close()  # free again
+    # A run killed while holding it (SIGKILL: no cleanup) leaves the folder free.
+    killed = subprocess.run([sys.executable, "-c", "import os, signal; from trainlib.resilience import RunLock; "
+                             f"lock = RunLock({str(tmp_path)!r}); os.kill(os.getpid(), signal.SIGKILL)"], timeout=60)
+    assert killed.returncode == -9
+    RunLock(tmp_path).close()
+
+
+def test_a_second_launch_into_a_live_runs_folder_is_one_line_and_touches_nothing(tmp_path, capsys):
+    from trainlib.resilience import RunLock
+    from trainlib.train import main
+
+    (tmp_path / "config.toml").write_text("# the live run's\n")
+    held = RunLock(tmp_path)
+    try:
+        assert main(["--training.steps=1", f"--job.dump_folder={tmp_path}"]) == 2
+    finally:
+        held.close()
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "is in use by pid" in err and "Traceback" not in err
+    assert (tmp_path / "config.toml").read_text() == "# the live run's\n"  # nothing written over
