@@ -169,13 +169,19 @@ class Watchdog:
         self._thread.join()
 
     def _run(self) -> None:
-        while not self._stop.wait(self.poll):
-            start = self._watch_from
-            if start is not None and time.monotonic() - start > self.limit():
-                marked = self.store.compare_set(_HANG_KEY, "", str(self.rank)).decode()
-                self._report_and_exit(first=marked == str(self.rank))
-            elif self.world > 1 and self.store.check([_HANG_KEY]):
-                self._report_and_exit(first=False)
+        try:
+            while not self._stop.wait(self.poll):
+                start = self._watch_from
+                if start is not None and time.monotonic() - start > self.limit():
+                    marked = self.store.compare_set(_HANG_KEY, "", str(self.rank)).decode()
+                    self._report_and_exit(first=marked == str(self.rank))
+                elif self.world > 1 and self.store.check([_HANG_KEY]):
+                    self._report_and_exit(first=False)
+        except dist.DistError as e:  # the c10d store is gone: its host (torchrun's agent) ended
+            if not self._stop.is_set():
+                print(f"trainlib: rank {self.rank}: the rendezvous store is gone ({type(e).__name__}): hang "
+                      f"watching stops; the run stops after this step if its launcher is gone", file=sys.stderr,
+                      flush=True)
 
     def _report_and_exit(self, first: bool) -> None:
         start, limit = self._watch_from, self.limit()
@@ -336,6 +342,10 @@ class StepMonitor:
         if cfg.enable:
             store = dist.distributed_c10d._get_default_store()  # namespaced per incarnation (trainlib.distributed)
             self.watchdog = Watchdog(cfg, train_timeout_seconds / 2, run_dir, self.rank, self.world, store)
+        # Under torchrun the worker's parent is its agent; a worker reparented (the agent killed, SIGKILL
+        # included) has no supervisor left and would train on alone.
+        self._agent = os.getppid() if "TORCHELASTIC_RUN_ID" in os.environ else None
+        self._agent_gone_said = False
         self._steps_done = 0
         self._t0 = 0.0
         self._window: list[float] = []  # this rank's step times since the last spread()
@@ -345,6 +355,8 @@ class StepMonitor:
         self._views = [t.numpy() for t in self._times]
 
     def start_step(self, step: int) -> None:
+        if self._launcher_gone():  # nobody supervises this worker any more: stop like a preemption, with a save
+            self.preemption.received = self.preemption.received or signal.SIGTERM
         self.preemption.start_step()
         if self.watchdog is not None:
             self.watchdog.start_step(step, watched=self._steps_done > 0)
@@ -359,6 +371,15 @@ class StepMonitor:
             self.watchdog.end_step(seconds)
         self._steps_done += 1
         return stop
+
+    def _launcher_gone(self) -> bool:
+        if self._agent is None or os.getppid() == self._agent:
+            return False
+        if not self._agent_gone_said:
+            self._agent_gone_said = True
+            print(f"trainlib: rank {self.rank}: its torchrun agent (pid {self._agent}) is gone: stopping after this "
+                  f"step with its checkpoint, as for SIGTERM", file=sys.stderr, flush=True)
+        return True
 
     def spread(self) -> dict:
         """Slowest and fastest rank by mean step time since the last call (start to end of step, this rank's clock)."""

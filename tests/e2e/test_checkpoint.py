@@ -423,3 +423,30 @@ def test_a_hung_rank_is_named_with_stacks_of_every_rank_before_the_collective_ti
         assert "in train_loop" in stacks and "in _report_and_exit" in stacks  # the main thread and the watchdog's
         assert json.loads((hang / f"flight_recorder_rank{rank}.json").read_text())
     assert _losses(folder) == straight(layout)[:5]
+
+
+def test_workers_stop_with_a_checkpoint_when_their_torchrun_agent_is_killed(tmp_path):
+    """Issue 43 item 7: a SIGKILLed agent left its workers training unsupervised (hundreds of steps, dozens
+    of checkpoints) and their watchdog threads died on the lost store. Now each worker, reparented, stops
+    after the step like a preemption, with that step's checkpoint."""
+    folder = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", "-m",
+           "trainlib.train", *BASE, f"--job.dump_folder={folder}", "--parallelism.dp_shard=2",
+           f"--training.steps={STEPS * 50}", "--checkpoint.interval=1000"]
+    agent = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+    metrics, deadline = folder / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 3) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    workers = [int(p) for p in open(f"/proc/{agent.pid}/task/{agent.pid}/children").read().split()]
+    assert len(workers) == 2
+    agent.kill()  # SIGKILL: no SIGTERM reaches the workers
+    agent.wait()
+    deadline = time.monotonic() + 120
+    while any(os.path.exists(f"/proc/{w}") and open(f"/proc/{w}/stat").read().split()[2] != "Z" for w in workers):
+        assert time.monotonic() < deadline, "workers still running two minutes after their agent died"
+        time.sleep(0.2)
+    steps = complete_steps(folder / "checkpoint")
+    assert len(steps) == 1 and steps[0] < STEPS * 50  # the stop's checkpoint, long before the end
+    last = json.loads(metrics.read_text().splitlines()[-1])["step"]
+    assert steps[0] == last
