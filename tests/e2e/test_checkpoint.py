@@ -12,6 +12,7 @@ continue from the last complete checkpoint, on the uninterrupted curve.
 import json
 import os
 import random
+import signal
 import subprocess
 import sys
 import threading
@@ -450,3 +451,25 @@ def test_workers_stop_with_a_checkpoint_when_their_torchrun_agent_is_killed(tmp_
     assert len(steps) == 1 and steps[0] < STEPS * 50  # the stop's checkpoint, long before the end
     last = json.loads(metrics.read_text().splitlines()[-1])["step"]
     assert steps[0] == last
+
+
+def test_sigterm_to_the_process_group_under_async_with_pinned_mem_saves_and_resumes(tmp_path, straight):
+    """Issue 43 item 2: a SIGTERM to the whole process group (torchrun's to its workers, SLURM's to a job
+    step) also killed DCP's background writer; the preemption save failed ("Checkpoint background process
+    is dead"), the job exited 1 and the save in flight was lost. The writer now starts with the stop signals
+    blocked, so it finishes both."""
+    folder = tmp_path / "run"
+    extra = ["--training.steps=40", "--checkpoint.async_mode=async_with_pinned_mem"]
+    cmd = [sys.executable, "-m", "trainlib.train", *BASE, f"--job.dump_folder={folder}", *extra]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
+                            start_new_session=True, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    metrics, deadline = folder / "metrics.jsonl", time.monotonic() + 300
+    while not (metrics.is_file() and len(metrics.read_text().splitlines()) >= 5) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    os.killpg(proc.pid, signal.SIGTERM)  # the worker and its writer process alike
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == EXIT_PREEMPTED, out[-3000:]
+    stopped = _steps(folder)[-1]
+    assert stopped < 40 and stopped in complete_steps(folder / "checkpoint"), (stopped, out[-3000:])
+    _run(folder, {}, extra)
+    assert _curve(folder) == straight({}, extra)

@@ -33,12 +33,15 @@ A save is refused (TrainingStopped, on every rank) when any part holds a NaN or 
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import logging
 import os
 import re
 import shutil
+import signal
+import threading
 import time
 from collections.abc import Iterable
 from concurrent.futures import Future
@@ -450,8 +453,9 @@ class Checkpointer:
                     pinned = torch.cuda.is_available()
                     self._stager = DefaultStager(StagingOptions(pinned, pinned, False, False))
                 stager = self._stager
-            self._pending = dcp.async_save(self.states, checkpoint_id=str(tmp), process_group=self._async_pg,
-                                           async_checkpointer_type=kind, async_stager=stager)
+            with _writer_keeps_running_on_stop_signals(kind is AsyncCheckpointerType.PROCESS):
+                self._pending = dcp.async_save(self.states, checkpoint_id=str(tmp), process_group=self._async_pg,
+                                               async_checkpointer_type=kind, async_stager=stager)
             self._pending_step = step
         self.last_blocked_s = time.perf_counter() - t0
         logger.info(f"checkpoint step {step}: loop blocked {self.last_blocked_s:.3f} s ({mode})")
@@ -573,6 +577,31 @@ class Checkpointer:
                 f"checkpoint of step {step} refused: {n.item()} tensors hold NaN or Inf"
                 + (f" (this rank: {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})" if bad else "")
                 + f"; the latest complete checkpoint stays {'step ' + str(latest) if latest is not None else 'none'}")
+
+
+@contextlib.contextmanager
+def _writer_keeps_running_on_stop_signals(spawns_writer: bool):
+    """While DCP may start its background writer process (async_with_pinned_mem): the stop signals
+    blocked in this thread, so that the writer, which inherits the blocked set across its start, is not
+    killed by a SIGTERM (or Ctrl-C) sent to the whole process group, as torchrun sends one to its workers
+    and SLURM to a job step: it lives to finish the save in flight and the preemption's save. Signals that
+    arrive meanwhile are not lost: they wait, or another thread takes them (Python runs the handler in the
+    main thread either way)."""
+    if not spawns_writer or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    from multiprocessing import resource_tracker
+
+    from trainlib.resilience import PREEMPTION_SIGNALS
+
+    # Started now, outside the block: multiprocessing starts its resource tracker on the first spawn
+    # and, doing so, unblocks SIGINT and SIGTERM in the calling thread, which would undo the block below.
+    resource_tracker.ensure_running()
+    previous = signal.pthread_sigmask(signal.SIG_BLOCK, PREEMPTION_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, previous)
 
 
 def _stop_checkpoint_process() -> None:
