@@ -52,6 +52,8 @@ class OptimizerConfig:
                 raise ConfigError(f"optimizer.{key} must be in [0, 1), got {getattr(self, key)}")
         if self.weight_decay < 0:
             raise ConfigError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        if not self.eps > 0:  # eps <= 0 divides by zero (or flips the update's sign) where a moment is zero
+            raise ConfigError(f"optimizer.eps must be > 0, got {self.eps}; e.g. 1e-8")
 
 
 @dataclass

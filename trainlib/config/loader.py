@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import math
 import os
 import re
 import sys
@@ -105,6 +106,15 @@ def _show(value: Any, from_str: bool) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+def _finite(value: Any, key: str, src: str) -> Any:
+    """No setting of any section means anything by inf or nan (TOML and the CLI both spell them), and
+    each passes comparisons such as ``lr > 0`` or fails ``weight_decay < 0`` without a word."""
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{key}: must be a finite number, got {value} (from {src}); "
+                          f"fix the value in the recipe or override")
+    return value
+
+
 def _coerce(value: Any, tp: Any, key: str, src: str, from_str: bool) -> Any:
     """Check/convert one value against ``tp``. ``from_str``: value is CLI text."""
     origin, args = typing.get_origin(tp), typing.get_args(tp)
@@ -163,13 +173,15 @@ def _coerce(value: Any, tp: Any, key: str, src: str, from_str: bool) -> Any:
                     return text in _TRUE_WORDS
             else:
                 try:  # int() accepts "1_000" and rejects "1.5", exactly the rule we want
-                    return tp(text)
+                    number = tp(text)
                 except ValueError:
                     pass
+                else:
+                    return _finite(number, key, src)
         # TOML values are already typed: demand the exact type (so no 0/1 for
         # bools, no 1.0 for ints), except that a float field may take an int.
         elif type(value) is tp or (tp is float and type(value) is int):
-            return tp(value)
+            return _finite(tp(value), key, src)
         raise bad()
     if isinstance(tp, type):  # e.g. pathlib.Path: build from text, else isinstance
         if isinstance(value, tp):
