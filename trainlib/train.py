@@ -23,9 +23,9 @@ from torch import nn
 
 from trainlib.build import build_model_parts, describe_choices
 from trainlib.checkpoint import Checkpointer, ModelState, OptimizerState, TrainState
-from trainlib.checkpoint.manager import latest_step, step_folder
+from trainlib.checkpoint.manager import checkpoint_root, latest_step, step_folder
 from trainlib.config import ConfigError, JobConfig, config_to_dict, load_job_config, save_config
-from trainlib.config.validate import resolve_local_batch_size, validate_job, validate_machine
+from trainlib.config.validate import resolve_local_batch_size, validate_job, validate_machine, writable_folder
 from trainlib.data import DataLoader, build_dataloader, build_tokenizer
 from trainlib.distributed import (DistInfo, barrier, destroy_distributed, from_rank0, init_distributed,
                                   set_collective_timeout)
@@ -96,16 +96,18 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     dims.build_mesh(info.device.type)
 
     run_dir = Path(cfg.job.dump_folder)
-    lock, busy = None, None
+    lock, refused = None, None
     if info.rank == 0:
-        run_dir.mkdir(parents=True, exist_ok=True)
-        try:  # before anything is written there: a live run's files are not touched
+        try:  # the folders are usable, and no live run holds them: before anything of this run is written
+            writable_folder(run_dir, "job.dump_folder")
+            if cfg.checkpoint.enable:
+                writable_folder(checkpoint_root(cfg.checkpoint, run_dir), "checkpoint.folder")
             lock = RunLock(run_dir)
         except ConfigError as e:
-            busy = str(e)
-    busy = from_rank0(busy)  # every rank of this launch stops alike
-    if busy is not None:
-        raise ConfigError(busy)
+            refused = str(e)
+    refused = from_rank0(refused)  # every rank of this launch stops alike
+    if refused is not None:
+        raise ConfigError(refused)
     try:
         return _build_job(cfg, info, dims, tokenizer, local_bs, grad_accum, run_dir, lock)
     except BaseException:  # the folder is free again for the next launch of this process (a retry, a test)

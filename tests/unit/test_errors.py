@@ -32,6 +32,13 @@ BAD_INPUT = [
     ("stray word", None, ["steps=3"], "bad override 'steps=3'"),
     ("--set without =", None, ["--set", "training.steps"], "expected SECTION.KEY=VALUE"),
     ("degrees != world size", None, ["--parallelism.tp=2", "--parallelism.dp_shard=1"], "= 2 != world size 1"),
+    ("more processes than launched", None, ["--parallelism.tp=2", "--parallelism.dp_shard=4"],
+     "e.g. torchrun --nproc-per-node=8 -m trainlib.train"),
+    ("lr inf", None, ["--optimizer.lr=inf"], "optimizer.lr: must be a finite number, got inf"),
+    ("weight decay nan", "[optimizer]\nweight_decay = nan\n", [], "optimizer.weight_decay: must be a finite number"),
+    ("negative eps", None, ["--optimizer.eps=-1e-8"], "optimizer.eps must be > 0"),
+    ("infinite timeout", None, ["--comm.train_timeout_seconds=inf"], "comm.train_timeout_seconds: must be a finite"),
+    ("infinite watchdog", "[watchdog]\nmin_seconds = inf\n", [], "watchdog.min_seconds: must be a finite"),
     ("dp_shard=-1 cannot fill", None, ["--parallelism.tp=3"], "world size 1 is not divisible"),
     ("negative degree", None, ["--parallelism.pp=-2"], "parallelism.pp must be >= 1"),
     ("batch split", None, ["--training.global_batch_size=5", "--training.local_batch_size=2"],
@@ -89,6 +96,22 @@ def test_cuda_device_without_cuda_is_one_line_and_exit_2(capsys, tmp_path):
     assert err == "trainlib: error: job.device = 'cuda' but no CUDA device is visible; use 'cpu' or 'auto'\n", err
 
 
+@pytest.mark.parametrize("key", ["job.dump_folder", "checkpoint.folder"])
+def test_a_folder_that_cannot_be_made_is_one_line_at_start_up(capsys, tmp_path, key):
+    """A file where the run folder (or the checkpoint folder, or a parent) should be: refused before the
+    first step, not at the first save."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("not a folder")
+    folders = {"job.dump_folder": str(tmp_path / "run"), "checkpoint.folder": "checkpoint",
+               key: str(blocker / "sub")}
+    args = [f"--job.dump_folder={folders['job.dump_folder']}", f"--checkpoint.folder={folders['checkpoint.folder']}",
+            "--checkpoint.enable=true", "--training.steps=1", "--metrics.console=false"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err == f"trainlib: error: {key} = '{blocker / 'sub'}': {blocker} is a file, not a folder; pick another path\n"
+    assert blocker.read_text() == "not a folder"
+
+
 def test_there_are_at_least_30_cases():
     assert len(BAD_INPUT) >= 30
 
@@ -138,6 +161,7 @@ def prepared_dir(tmp_path_factory):
 @pytest.mark.parametrize("damage,overrides,expected", [
     ("truncate", [], "the folder is damaged"),
     ("other tokenizer", [], "another tokenizer than this run's"),
+    ("manifest cut", [], "manifest.json is damaged (Unterminated string"),
     (None, ["--training.seq_len=100000"], "training.seq_len=100000 needs windows of 100001 tokens"),
     (None, ["--data.mixture=['{dir}:0']"], "sum to 0"),
 ])
@@ -148,6 +172,8 @@ def test_bad_prepared_data_is_one_line_and_exit_2(capsys, tmp_path, prepared_dir
     if damage == "truncate":
         shard = sorted((folder / "shards").glob("*.tokens"))[0]
         shard.write_bytes(shard.read_bytes()[:10])
+    if damage == "manifest cut":  # a copy or an editor cut it short
+        (folder / "manifest.json").write_bytes((folder / "manifest.json").read_bytes()[:100])
     if damage == "other tokenizer":  # as if prepared with a tokenizer.json of another vocabulary
         manifest = json.loads((folder / "manifest.json").read_text())
         manifest["tokenizer"].update(kind="hf", file_sha256="0" * 64, vocab_size=32000)
@@ -252,3 +278,65 @@ def test_a_crash_is_named_in_torchruns_summary_with_its_traceback_file(capsys, t
     error_file.unlink()
     report_crash(_raised(RuntimeError("early")), None)  # no traceback file to name: left to torchrun
     assert not error_file.exists()
+
+
+def test_every_float_key_of_the_job_refuses_inf_and_nan():
+    """The finite rule is the loader's, so it holds for every float key, present and future."""
+    import dataclasses
+    import typing
+
+    from trainlib.config.job import JobConfig
+    from trainlib.config.loader import load_recipe
+    from trainlib.errors import ConfigError
+
+    def float_keys(cls, prefix=""):
+        for f in dataclasses.fields(cls):
+            tp = typing.get_type_hints(cls)[f.name]
+            if dataclasses.is_dataclass(tp):
+                yield from float_keys(tp, f"{prefix}{f.name}.")
+            elif tp is float or float in typing.get_args(tp):
+                yield prefix + f.name
+
+    keys = list(float_keys(JobConfig))
+    assert len(keys) >= 12 and "optimizer.lr" in keys and "comm.train_timeout_seconds" in keys, keys
+    for key in keys:
+        for text in ("inf", "nan"):
+            with pytest.raises(ConfigError, match=f"^{key}: must be a finite number"):
+                load_recipe(JobConfig, None, [f"--{key}={text}"])
+
+
+_RECORDS = [json.dumps({"text": f"document {i} " + "x" * 60}) + "\n" for i in range(40)]
+
+
+@pytest.mark.parametrize("name,content,overrides,expected", [
+    ("data.jsonl", "".join(_RECORDS[:20]).encode() + b'{"text": "a \xff byte"}\n' + "".join(_RECORDS[20:]).encode(),
+     [], "data.jsonl line 21 is not UTF-8 text; fix or remove it"),
+    ("data.jsonl", ("".join(_RECORDS) + _RECORDS[0][:12]).encode(), [],
+     "data.jsonl line 41 is not a JSON record (cut mid-write?); fix or remove it"),
+    ("tokenizer.json", b'{"model": {"type": "BPE", "vocab": {', ["--tokenizer.kind=hf"],
+     "is not a tokenizer.json (damaged or another file"),
+    ("tokenizer.model", b"aGVsbG8= 0\n!!notbase64 1\n", ["--tokenizer.kind=tiktoken"],
+     "line 2 is not '<base64 token> <rank>' (damaged?)"),
+], ids=["not UTF-8", "record cut mid-write", "tokenizer.json cut", "tiktoken line damaged"])
+def test_a_damaged_data_or_tokenizer_file_is_one_line_naming_it(capsys, tmp_path, name, content, overrides,
+                                                               expected):
+    bad = tmp_path / name
+    bad.write_bytes(content)
+    key = "--data.path" if name.endswith(".jsonl") else "--tokenizer.path"
+    # 4 steps: the byte that is not UTF-8 is found when its record is read (step 3), the rest at start-up
+    args = [*overrides, f"{key}={bad}", "--training.steps=4", "--training.seq_len=32",
+            f"--job.dump_folder={tmp_path / 'run'}", "--metrics.console=false"]
+    assert main(args) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("trainlib: error: ") and expected in err, err[-3000:]
+
+
+def test_a_data_file_named_with_glob_characters_is_read_as_named(capsys, tmp_path):
+    """`[1]` in an existing file's name is no pattern: before, the literal file "matched no files" in
+    trainlib and then again in `datasets`, which expands data_files as globs."""
+    data = tmp_path / "part[1].jsonl"
+    data.write_text("".join(_RECORDS))
+    assert main([f"--data.path={data}", "--training.steps=1", "--training.seq_len=32",
+                 f"--job.dump_folder={tmp_path / 'run'}", "--metrics.console=false"]) == 0
+    metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert json.loads(metrics[-1])["step"] == 1

@@ -116,6 +116,10 @@ class CheckpointConfig:
 # --------------------------------------------------------------------------- folders
 
 
+def checkpoint_root(cfg: CheckpointConfig, run_dir: str | os.PathLike) -> Path:
+    return Path(cfg.folder) if os.path.isabs(cfg.folder) else Path(run_dir) / cfg.folder
+
+
 def step_folder(root: str | os.PathLike, step: int) -> Path:
     return Path(root) / f"step-{step}"
 
@@ -269,7 +273,7 @@ class Checkpointer:
 
     def __init__(self, cfg: CheckpointConfig, run_dir: str | os.PathLike, states: dict[str, Stateful]):
         self.cfg = cfg
-        self.root = Path(cfg.folder) if os.path.isabs(cfg.folder) else Path(run_dir) / cfg.folder
+        self.root = checkpoint_root(cfg, run_dir)
         self.states = states
         self.model: ModelState = states["model"]
         self.train_state: TrainState = states["trainer"]

@@ -130,7 +130,7 @@ def _format_of(path: str) -> str | None:
 def resolve_data_files(path: str) -> tuple[str, list[str]]:
     """Map ``DataConfig.path`` to ``(datasets builder name, sorted list of files)``."""
     path = os.path.expanduser(path)
-    if any(c in path for c in "*?["):
+    if any(c in path for c in "*?[") and not os.path.exists(path):  # a name that exists is taken as it is
         matches = sorted(p for p in glob.glob(path, recursive=True) if os.path.isfile(p))
         if not matches:
             raise ConfigError(f"data.path={path!r} matches no files: point data.path at existing {_SUPPORTED_DESC} files")
@@ -158,6 +158,10 @@ def resolve_data_files(path: str) -> tuple[str, list[str]]:
 # this many), the data is refused (_DocumentSource._texts).
 MAX_MISSING_SHARE = 0.01
 MIN_MISSING_TO_STOP = 10
+
+
+def _unless_said_by_malformed(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith("Failed to load JSON from file")
 
 
 class _DocumentSource:
@@ -200,6 +204,9 @@ class _DocumentSource:
         if self._dataset is None:
             import datasets  # lazy: importing `datasets` costs ~1 s
 
+            # Its JSON reader logs an unreadable file before raising; `_malformed` says it in one line.
+            logging.getLogger("datasets.packaged_modules.json.json").addFilter(_unless_said_by_malformed)
+
             cfg = self.cfg
             if cfg.hf_dataset is not None:
                 ds = datasets.load_dataset(cfg.hf_dataset, cfg.hf_subset, split=cfg.split, streaming=True)
@@ -211,7 +218,8 @@ class _DocumentSource:
                 try:
                     ds = datasets.load_dataset(
                         self.builder,
-                        data_files={cfg.split: self.files},
+                        # `datasets` expands data_files as globs: a file named with [ or * is escaped
+                        data_files={cfg.split: [glob.escape(f) for f in self.files]},
                         split=cfg.split,
                         streaming=True,
                         **kwargs,
@@ -229,14 +237,47 @@ class _DocumentSource:
             ds = ds.shuffle(seed=self.seed + epoch, buffer_size=self.cfg.shuffle_buffer_size)
         return self._texts(ds)
 
+    def _malformed(self, error: Exception) -> str:
+        """The one line for data `datasets` could not read, naming the first bad line of a JSON Lines
+        file when one is found (a record cut mid-write, a byte that is not UTF-8)."""
+        where = ""
+        if self.builder == "json":
+            for path in self.files:
+                if path.endswith(_COMPRESSIONS):
+                    continue
+                with open(path, "rb") as f:
+                    for lineno, line in enumerate(f, 1):
+                        try:
+                            if line.strip():
+                                json.loads(line.decode("utf-8"))
+                        except UnicodeDecodeError:
+                            where = f"{path} line {lineno} is not UTF-8 text"
+                        except ValueError:
+                            where = f"{path} line {lineno} is not a JSON record (cut mid-write?)"
+                        if where:
+                            break
+                if where:
+                    break
+        found = where or f"{type(error).__name__}: {error}"
+        return f"{self.description} has a record that cannot be read: {found}; fix or remove it"
+
     def _texts(self, ds: Any) -> Iterator[str]:
         """The records' texts. A record without the text field (or with a null one: `datasets` fills a
         field some records lack with None) is no document: it is skipped and counted, the first one
         said in a line, and the run stops once they pass MAX_MISSING_SHARE of the records read (at
         least MIN_MISSING_TO_STOP of them): training on them as empty documents would be silent."""
+        import pyarrow  # `datasets` reads every raw format through it
+
         name = self.cfg.text_field
         records = missing = 0
-        for example in ds:
+        examples = iter(ds)
+        while True:
+            try:
+                example = next(examples)
+            except StopIteration:
+                return
+            except (UnicodeDecodeError, pyarrow.ArrowInvalid) as e:  # the data's bytes, not a bug of ours
+                raise ConfigError(self._malformed(e)) from None
             records += 1
             try:
                 text = example[name]

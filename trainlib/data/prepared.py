@@ -88,8 +88,14 @@ def is_prepared(path: str) -> bool:
 
 
 def read_manifest(folder: str) -> dict:
-    with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
-        m = json.load(f)
+    try:
+        with open(os.path.join(folder, MANIFEST), encoding="utf-8") as f:
+            m = json.load(f)
+    except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+        raise ConfigError(f"{folder}/{MANIFEST} is damaged ({e}): delete {folder} and prepare the data again") from None
+    if not isinstance(m, dict):
+        raise ConfigError(f"{folder}/{MANIFEST} is damaged (not a JSON object): delete {folder} and prepare the "
+                          f"data again")
     if m.get("format") != FORMAT or m.get("format_version") != FORMAT_VERSION:
         raise ConfigError(f"{folder}/{MANIFEST} is not a {FORMAT} manifest of version {FORMAT_VERSION} "
                          f"(format={m.get('format')!r}, version={m.get('format_version')!r}): prepare the data again")

@@ -13,8 +13,11 @@ Three implementations share one small protocol (``vocab_size``, ``bos_id``,
 from __future__ import annotations
 
 import base64
+import binascii
+import json
 import os
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Literal, Protocol, Sequence, runtime_checkable
 
 from trainlib.errors import ConfigError
@@ -110,7 +113,14 @@ class HFTokenizer:
             raise ConfigError(f"tokenizer.kind='hf' needs the 'tokenizers' package ({e}): "
                               "pip install tokenizers") from e
         self.path = path
-        self._tok = _HFTok.from_file(path)
+        try:  # parsed here first: a damaged file is the user's to fix, and tokenizers' own error names no file
+            text = Path(path).read_bytes().decode("utf-8")
+            if not isinstance(json.loads(text), dict):
+                raise ValueError("not a JSON object")
+        except (UnicodeDecodeError, ValueError) as e:  # JSONDecodeError is a ValueError
+            raise ConfigError(f"tokenizer.path={path!r} is not a tokenizer.json (damaged or another file: {e}); "
+                              "set tokenizer.path to a Hugging Face tokenizer.json file") from None
+        self._tok = _HFTok.from_str(text)
         self.vocab_size = int(self._tok.get_vocab_size(with_added_tokens=True))
         for bos, eos in _HF_SPECIAL_PAIRS:
             bos_id, eos_id = self._tok.token_to_id(bos), self._tok.token_to_id(eos)
@@ -189,7 +199,12 @@ def _read_bpe_ranks(path: str) -> dict[bytes, int]:
                     f"tokenizer.path={path!r} line {lineno} is not '<base64 token> <rank>': "
                     "set tokenizer.path to a tiktoken tokenizer.model file"
                 )
-            ranks[base64.b64decode(parts[0])] = int(parts[1])
+            try:
+                ranks[base64.b64decode(parts[0], validate=True)] = int(parts[1])
+            except (binascii.Error, ValueError):
+                raise ConfigError(
+                    f"tokenizer.path={path!r} line {lineno} is not '<base64 token> <rank>' (damaged?): "
+                    "set tokenizer.path to a tiktoken tokenizer.model file") from None
     if not ranks:
         raise ConfigError(f"tokenizer.path={path!r} holds no tokens: set tokenizer.path to a tiktoken tokenizer.model file")
     return ranks

@@ -78,10 +78,12 @@ class ParallelDims:
             self.dp_shard = self.world_size // others
         total = others * self.dp_shard
         if total != self.world_size:
+            launch = (f", e.g. torchrun --nproc-per-node={total} -m trainlib.train ... (or --nnodes and a per-node "
+                      f"count whose product is {total})" if total > self.world_size else "")
             raise ConfigError(
                 f"dp_replicate({self.dp_replicate}) * dp_shard({self.dp_shard}) * cp({self.cp}) * tp({self.tp}) * "
                 f"pp({self.pp}) = {total} != world size {self.world_size}; make the product equal the number "
-                f"of processes, or set parallelism.dp_shard = -1 to use the remaining ranks"
+                f"of processes{launch}, or set parallelism.dp_shard = -1 to use the remaining ranks"
             )
         check_degrees({"ep": self.ep})
         span = self.dp_shard * self.cp * self.tp
