@@ -801,3 +801,13 @@ def test_loader_imports_without_torch():
             "import trainlib.config.loader\n"
             "assert 'torch' not in sys.modules, 'torch imported'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=30)
+
+
+def test_saved_config_is_readable_as_the_umask_allows(tmp_path):
+    """Not mkstemp's 0600: the group's tools read a run's config.toml like its other files."""
+    old = os.umask(0o022)
+    try:
+        save_config(JobConfig(), tmp_path / "config.toml")
+    finally:
+        os.umask(old)
+    assert (tmp_path / "config.toml").stat().st_mode & 0o777 == 0o644

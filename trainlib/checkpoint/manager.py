@@ -462,7 +462,10 @@ class Checkpointer:
                                                async_checkpointer_type=kind, async_stager=stager)
             self._pending_step = step
         self.last_blocked_s = time.perf_counter() - t0
-        logger.info(f"checkpoint step {step}: loop blocked {self.last_blocked_s:.3f} s ({mode})")
+        how = {"disabled": "synchronous save" + (" (a stop's)" if sync and self.cfg.async_mode != "disabled" else ""),
+               "async": "async save, written by a thread",
+               "async_with_pinned_mem": "async save, written by a process"}[mode]
+        logger.info(f"checkpoint step {step}: loop blocked {self.last_blocked_s:.3f} s ({how})")
 
     def wait(self) -> None:
         """Block until an async save in flight is written and committed."""

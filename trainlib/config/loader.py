@@ -466,6 +466,10 @@ def save_config(cfg: Any, path: str | os.PathLike) -> None:
             fh.write(text)
             fh.flush()
             os.fsync(fh.fileno())
+        # mkstemp makes the file 0600; a run's config is read by its group's tools like its other files
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, target)  # same directory, hence same filesystem: atomic
     except BaseException:
         if os.path.exists(tmp):
