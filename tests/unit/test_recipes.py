@@ -68,6 +68,18 @@ def test_a_path_stays_a_path(tmp_path, monkeypatch):
     assert load_job_config("debug").training.steps == 50  # no file called "debug" here: the shipped recipe
 
 
+def test_a_users_recipe_in_any_folder_extends_a_shipped_recipe_by_name(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mine.toml").write_text('extends = "llama70b"\n[training]\nseed = 3\n')  # an alias, no .toml
+    (tmp_path / "other.toml").write_text('extends = ["debug.toml"]\n[training]\nseed = 4\n')
+    shipped = load_job_config("llama3_70b")
+    mine = load_job_config("mine.toml")
+    assert mine.training.seed == 3 and mine.model == shipped.model and mine.parallelism == shipped.parallelism
+    assert load_job_config("other.toml").training.steps == load_job_config("debug").training.steps
+    (tmp_path / "debug.toml").write_text("[training]\nsteps = 7\n")  # a file beside the recipe wins
+    assert load_job_config("other.toml").training.steps == 7
+
+
 def test_unknown_name_lists_the_shipped_recipes():
     with pytest.raises(ConfigError) as e:
         resolve_recipe("llama7b")

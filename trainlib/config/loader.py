@@ -269,7 +269,7 @@ def _load(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict]:
                           f"got {bases!r}")
     merged, org, chain = {}, {}, chain + (path,)
     for base in bases:
-        base_path = path.parent / base  # relative to the extending file, not the CWD
+        base_path = _base_recipe(path, base)
         if any(base_path.resolve() == p.resolve() for p in chain):
             cycle = " -> ".join(str(p) for p in chain + (base_path,))
             raise ConfigError(f"extends cycle: {cycle}; remove one of the extends entries")
@@ -277,6 +277,20 @@ def _load(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict]:
         _merge(merged, b_data, org, b_org)
     _merge(merged, data, org, _origins(data, str(path)))
     return merged, org
+
+
+def _base_recipe(path: Path, base: str) -> Path:
+    """What `extends = base` in `path` names: a file relative to the extending file (not the CWD) when
+    there is one; else, for a bare name, the shipped recipe of that name or alias, so that a user's
+    recipe in any folder can say `extends = "llama3_8b"`."""
+    local = path.parent / base
+    if local.is_file() or any(sep and sep in base for sep in ("/", os.sep, os.altsep)):
+        return local
+    from trainlib.config.recipes import aliases, recipes_dir  # that module imports this one
+
+    stem = base.removesuffix(".toml")
+    shipped = recipes_dir() / f"{aliases().get(stem, stem)}.toml"
+    return shipped if shipped.is_file() else local
 
 
 def load_toml_with_extends(path: str | os.PathLike) -> dict:
