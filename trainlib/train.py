@@ -153,6 +153,7 @@ def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, tokenizer, lo
         f"{t.global_batch_size} x {t.seq_len} tokens = local {local_bs} x dp {dims.dp} x accum {grad_accum} | "
         f"run dir {run_dir}"
     )
+    logger.info(f"data: {loader.describe()}")
     logger.info(describe_choices(cfg, built, implementation_of(optimizer)))
     monitor = StepMonitor(cfg.watchdog, cfg.comm.train_timeout_seconds, run_dir)
     return Job(cfg=cfg, info=info, dims=dims, runner=built.runner, optimizer=optimizer, scheduler=scheduler,

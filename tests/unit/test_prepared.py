@@ -667,3 +667,20 @@ def test_file_sha256_hashes_every_block(tmp_path):
     data[-1] ^= 1
     path.write_bytes(data)
     assert prepared.file_sha256(str(path)) == hashlib.sha256(data).hexdigest() != before
+
+
+def test_the_start_up_line_names_the_data_and_its_size(tmp_path, raw):
+    """Not "the shipped corpus" for a prepared folder: the folder, its tokens and documents (and the
+    weights of a mixture); for raw files, their count and size."""
+    out = tmp_path / "p"
+    prep(out, [raw])
+    manifest = json.loads((out / "manifest.json").read_text())
+    tokens, docs = sum(s["tokens"] for s in manifest["shards"]), sum(s["documents"] for s in manifest["shards"])
+    assert build_dataloader(DataConfig(path=str(out)), BYTE, 8, 1).describe() == (
+        f"prepared {out} ({tokens:,} tokens, {docs:,} documents)")
+    mixed = build_dataloader(DataConfig(mixture=[f"{out}:1", f"{out}:3"]), BYTE, 8, 1).describe()
+    assert mixed.startswith("prepared mixture ") and "weight 25%" in mixed and "weight 75%" in mixed
+    size = sum(f.stat().st_size for f in raw.iterdir())
+    assert build_dataloader(DataConfig(path=str(raw)), BYTE, 8, 1).describe() == (
+        f"data.path={str(raw)!r}: 3 json file(s), {size / 2**20:,.1f} MiB, tokenized on the fly")
+    assert build_dataloader(DataConfig(), BYTE, 8, 1).describe().startswith("the shipped corpus, data.path=")

@@ -574,6 +574,16 @@ class PackedDataLoader:
         self._stream.seek(get("epoch"), get("doc_index"), get("token_offset"))
         self.samples_consumed = consumed
 
+    def describe(self) -> str:
+        """What the run trains on, for its start-up line: the raw files and their size on disk."""
+        src = self._source
+        if src.cfg.hf_dataset is not None:
+            return f"{src.description}, streamed, tokenized on the fly"
+        size = sum(os.path.getsize(f) for f in src.files)
+        what = "the shipped corpus, " if src.cfg.path is None else ""
+        return (f"{what}{src.description}: {len(src.files)} {src.builder} file(s), {size / 2**20:,.1f} MiB, "
+                f"tokenized on the fly")
+
     def __repr__(self) -> str:
         return (
             f"PackedDataLoader({self._source.description}, seq_len={self.seq_len}, "

@@ -331,7 +331,7 @@ class PreparedDataLoader:
         self.local_batch_size, self.dp_rank, self.dp_world = int(local_batch_size), int(dp_rank), int(dp_world)
         self.group_size = self.dp_world * self.local_batch_size
         self.seed, self.shuffle_samples = int(seed), bool(shuffle_samples)
-        self.mixture = Mixture(weights)
+        self.mixture, self.mixture_weights = Mixture(weights), list(weights)
         self.vocab_size = datasets[0].manifest["tokenizer"]["vocab_size"]
         ident = [[d.manifest["corpus_id"], w] for d, w in zip(datasets, weights)]
         self.corpus_crc = zlib.crc32(json.dumps(ident).encode())
@@ -451,6 +451,14 @@ class PreparedDataLoader:
                           "seed: the resumed sample order differs from the checkpoint's run", stacklevel=2)
         self.close()
         self.samples_consumed = consumed
+
+    def describe(self) -> str:
+        """What the run trains on, for its start-up line."""
+        total = sum(self.mixture_weights)
+        parts = [f"{d.folder} ({d.shard_starts[-1]:,} tokens, {sum(d.documents):,} documents"
+                 + (f", weight {w / total:.0%})" if len(self.datasets) > 1 else ")")
+                 for d, w in zip(self.datasets, self.mixture_weights)]
+        return ("prepared " if len(parts) == 1 else "prepared mixture ") + "; ".join(parts)
 
     def __repr__(self) -> str:
         return (f"PreparedDataLoader({self.names}, seq_len={self.seq_len}, local_batch_size={self.local_batch_size}, "
