@@ -154,6 +154,10 @@ def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, tokenizer, lo
         f"run dir {run_dir}"
     )
     logger.info(f"data: {loader.describe()}")
+    if start_step >= t.steps:
+        logger.info(f"nothing to train: the run folder's checkpoint is at step {start_step} and training.steps = "
+                    f"{t.steps}; raise --training.steps to train on (the schedule then stretches to the new end), or "
+                    f"use another job.dump_folder to start a new run")
     logger.info(describe_choices(cfg, built, implementation_of(optimizer)))
     monitor = StepMonitor(cfg.watchdog, cfg.comm.train_timeout_seconds, run_dir)
     return Job(cfg=cfg, info=info, dims=dims, runner=built.runner, optimizer=optimizer, scheduler=scheduler,

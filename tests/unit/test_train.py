@@ -146,3 +146,12 @@ def test_job_close_stops_what_setup_started(tmp_path):
         destroy_distributed()
     assert [t.name for t in threading.enumerate() if t.name.startswith("trainlib-")] == []
     assert signal.getsignal(signal.SIGTERM) == handler and gc.isenabled() == gc_enabled
+
+
+def test_a_finished_run_relaunched_says_nothing_to_train(tmp_path, capfd):
+    train(_cfg(tmp_path, "--training.steps=2", "--checkpoint.enable=true"))
+    lines = (tmp_path / "metrics.jsonl").read_text()
+    assert "nothing to train" not in capfd.readouterr().out
+    assert train(_cfg(tmp_path, "--training.steps=2", "--checkpoint.enable=true")) == []
+    assert "nothing to train: the run folder's checkpoint is at step 2 and training.steps = 2" in capfd.readouterr().out
+    assert (tmp_path / "metrics.jsonl").read_text() == lines  # the run's history untouched
