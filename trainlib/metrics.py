@@ -161,17 +161,32 @@ def setup_logging(rank: int) -> None:
     logger.propagate = False
 
 
-def keep_earlier_run(path: Path) -> Path | None:
-    """Move an earlier run's non-empty `path` aside to the first free `path.1`, `path.2`, ... and
-    return where it went (None: nothing to keep)."""
-    if not path.is_file() or path.stat().st_size == 0:
-        return None
+# What a run from step 0 finds of an earlier run in its folder and keeps aside rather than appending to
+# (metrics.jsonl), writing over (TensorBoard's event files would overlay the two runs' curves as one) or
+# leaving in place to be taken for this run's (the report `python -m trainlib.report` drew).
+EARLIER_RUN_FILES = ("metrics.jsonl", "report.png", "report.html")
+
+
+def keep_earlier_run(run_dir: Path, tb_folder: str | None = None) -> dict[str, str]:
+    """Move an earlier run's non-empty files (EARLIER_RUN_FILES and the TensorBoard folder) aside to
+    `name.K`, one K for the whole set, the first free one (1, 2, ...); says so in one line and returns
+    {name: kept name}."""
+    names = [*EARLIER_RUN_FILES, *([tb_folder] if tb_folder else [])]
+
+    def held(path: Path) -> bool:
+        return (path.is_file() and path.stat().st_size > 0) or (path.is_dir() and any(path.iterdir()))
+
+    found = [n for n in names if held(run_dir / n)]
+    if not found:
+        return {}
     k = 1
-    while path.with_name(f"{path.name}.{k}").exists():
+    while any((run_dir / f"{n}.{k}").exists() for n in names):
         k += 1
-    kept = path.with_name(f"{path.name}.{k}")
-    os.replace(path, kept)
-    logger.warning(f"a run from step 0 in {path.parent}: the earlier run's {path.name} is kept as {kept.name}")
+    kept = {n: f"{n}.{k}" for n in found}
+    for n, to in kept.items():
+        os.replace(run_dir / n, run_dir / to)
+    logger.warning(f"a new run from step 0 in {run_dir}, which holds an earlier run: its "
+                   f"{', '.join(found)} kept as {', '.join(kept.values())}")
     return kept
 
 
@@ -201,10 +216,9 @@ class MetricsLogger:
         if rank == 0 and run_dir is not None:
             run_dir = Path(run_dir)
             run_dir.mkdir(parents=True, exist_ok=True)
-            path = run_dir / "metrics.jsonl"
             if not start_step:
-                keep_earlier_run(path)
-            self._file = open(path, "a", encoding="utf-8")
+                keep_earlier_run(run_dir, cfg.save_tb_folder)
+            self._file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
             if cfg.enable_tensorboard:
                 self._backends.append(_TensorBoard(run_dir / cfg.save_tb_folder, start_step))
             if cfg.enable_wandb:

@@ -464,6 +464,32 @@ def test_when_every_checkpoint_is_damaged_the_run_refuses_in_one_line_and_keeps_
     assert (tmp_path / "metrics.jsonl").read_text() == ""
 
 
+def test_a_new_run_keeps_an_earlier_runs_files_aside_as_one_set(tmp_path):
+    """Its TensorBoard events would overlay the new run's curves as one run, and its report would pass
+    for the new run's: a run from step 0 moves them aside with metrics.jsonl, under one suffix."""
+    from trainlib.metrics import MetricsConfig, MetricsLogger
+
+    def new_run():
+        MetricsLogger(MetricsConfig(), tmp_path, rank=0, device=torch.device("cpu"), flops_per_token=1.0,
+                      world_size=1).close()
+
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1}\n')
+    (tmp_path / "tb").mkdir()
+    (tmp_path / "tb" / "events.out.tfevents.1").write_text("x")
+    (tmp_path / "report.html").write_text("<html>")
+    (tmp_path / "report.png.1").write_text("a kept file of another set")  # suffix 1 is taken: the set gets 2
+    new_run()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        "metrics.jsonl", "metrics.jsonl.2", "report.html.2", "report.png.1", "tb.2"]
+    assert (tmp_path / "tb.2" / "events.out.tfevents.1").read_text() == "x"
+    new_run()  # an empty metrics.jsonl is no earlier run: nothing moves
+    assert not (tmp_path / "metrics.jsonl.3").exists()
+    resumed = MetricsLogger(MetricsConfig(), tmp_path, rank=0, device=torch.device("cpu"), flops_per_token=1.0,
+                            world_size=1, start_step=5)
+    resumed.close()
+    assert not (tmp_path / "metrics.jsonl.3").exists()
+
+
 def test_a_checkpoint_with_more_layers_than_the_run_is_refused_not_cut(tmp_path):
     # Issue 43 item 4: a 2-layer run resumed from a 4-layer checkpoint with exit 0, its layers 2 and 3 dropped.
     from trainlib.errors import ConfigError
