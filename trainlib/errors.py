@@ -32,6 +32,7 @@ Stdlib only: the config loader and the launchers import this.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -51,6 +52,31 @@ class ConfigError(ValueError):
 
     def __init__(self, msg: object):
         super().__init__(re.sub(r"\s*[\r\n]+\s*", " ", str(msg)).strip())
+
+
+# What the file system says when a folder cannot be made or written by this user (EEXIST/ENOTDIR: a
+# file stands where the folder or one of its parents should be). Any other errno is not the user's
+# input and keeps its traceback.
+_NOT_A_FOLDER = (errno.EEXIST, errno.ENOTDIR)
+_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT)  # ENOENT: e.g. under /proc
+
+
+def writable_folder(path: Path, key: str, fix: str = "pick a writable path or fix the folder's permissions") -> None:
+    """Make `path` (and its parents) and write a file there, at start-up: a folder that cannot hold the
+    run's files is one line now, not a traceback at the first save hours later."""
+    probe = path / f".trainlib-write-test-{os.getpid()}"
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        probe.write_bytes(b"")
+        probe.unlink()
+    except OSError as e:
+        if e.errno in _NOT_A_FOLDER:
+            file = next((p for p in (path, *path.parents) if p.exists() and not p.is_dir()), path)
+            raise ConfigError(f"{key} = '{path}': {file} is a file, not a folder; pick another path") from None
+        if e.errno in _NOT_WRITABLE:
+            raise ConfigError(f"{key} = '{path}': cannot write in {e.filename or path} ({os.strerror(e.errno)}); "
+                              f"{fix}") from None
+        raise
 
 
 class TrainingStopped(RuntimeError):

@@ -25,12 +25,12 @@ from trainlib.build import build_model_parts, describe_choices
 from trainlib.checkpoint import Checkpointer, ModelState, OptimizerState, TrainState
 from trainlib.checkpoint.manager import checkpoint_root, latest_step, step_folder
 from trainlib.config import ConfigError, JobConfig, config_to_dict, load_job_config, save_config
-from trainlib.config.validate import resolve_local_batch_size, validate_job, validate_machine, writable_folder
+from trainlib.config.validate import resolve_local_batch_size, validate_job, validate_machine
 from trainlib.data import DataLoader, build_dataloader, build_tokenizer
 from trainlib.distributed import (DistInfo, barrier, destroy_distributed, from_rank0, init_distributed,
                                   set_collective_timeout)
 from trainlib.errors import (EXIT_INTERNAL, EXIT_PREEMPTED, EXIT_STOPPED, EXIT_USER, Preempted, TrainingStopped,
-                             print_once_per_node, report_crash, report_user_error, verdict_line)
+                             print_once_per_node, report_crash, report_user_error, verdict_line, writable_folder)
 from trainlib.guard import Guard
 from trainlib.loss import count_targets
 from trainlib.metrics import MetricsLogger, setup_logging

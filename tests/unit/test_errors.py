@@ -340,3 +340,18 @@ def test_a_data_file_named_with_glob_characters_is_read_as_named(capsys, tmp_pat
                  f"--job.dump_folder={tmp_path / 'run'}", "--metrics.console=false"]) == 0
     metrics = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert json.loads(metrics[-1])["step"] == 1
+
+
+def test_a_datasets_cache_that_cannot_be_written_is_one_line(capsys, tmp_path, monkeypatch):
+    """`datasets` makes its cache folder even to stream local files: with a read-only HOME that was a
+    traceback from inside `datasets`. (A file in the way stands in for the read-only folder: root may
+    write anywhere.)"""
+    import datasets
+
+    blocker = tmp_path / "home"
+    blocker.write_text("")
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", blocker / ".cache" / "datasets")
+    assert main(["--training.steps=1", f"--job.dump_folder={tmp_path / 'run'}", "--metrics.console=false"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("trainlib: error: the datasets cache (HF_DATASETS_CACHE) = ")
+    assert f"{blocker} is a file, not a folder" in err, err

@@ -7,11 +7,8 @@ live here.
 
 from __future__ import annotations
 
-import errno
 import importlib.util
 import inspect
-import os
-from pathlib import Path
 
 import torch
 
@@ -206,27 +203,3 @@ def _validate_cpu_offload(cfg: JobConfig, dims: ParallelDims) -> None:
             f"'fsdp'; here {t.mixed_precision_param}, {t.mixed_precision_impl}); set fsdp_cpu_offload = false or "
             f"use more data-parallel ranks")
 
-
-# What the file system says when a folder cannot be made or written by this user (EEXIST/ENOTDIR: a
-# file stands where the folder or one of its parents should be). Any other errno is not the user's
-# input and keeps its traceback.
-_NOT_A_FOLDER = (errno.EEXIST, errno.ENOTDIR)
-_NOT_WRITABLE = (errno.EACCES, errno.EPERM, errno.EROFS, errno.ENOENT)  # ENOENT: e.g. under /proc
-
-
-def writable_folder(path: Path, key: str) -> None:
-    """Make `path` (and its parents) and write a file there, at start-up: a folder that cannot hold the
-    run's files is one line now, not a traceback at the first save hours later."""
-    probe = path / f".trainlib-write-test-{os.getpid()}"
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-        probe.write_bytes(b"")
-        probe.unlink()
-    except OSError as e:
-        if e.errno in _NOT_A_FOLDER:
-            file = next(p for p in (path, *path.parents) if p.exists() and not p.is_dir())
-            raise ConfigError(f"{key} = '{path}': {file} is a file, not a folder; pick another path") from None
-        if e.errno in _NOT_WRITABLE:
-            raise ConfigError(f"{key} = '{path}': cannot write in {e.filename or path} ({os.strerror(e.errno)}); "
-                              f"pick a writable path or fix the folder's permissions") from None
-        raise

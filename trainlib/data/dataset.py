@@ -45,7 +45,7 @@ import numpy as np
 import torch
 
 from trainlib.data.prepared import PreparedDataLoader, build_prepared_loader, is_prepared
-from trainlib.errors import ConfigError
+from trainlib.errors import ConfigError, writable_folder
 
 logger = logging.getLogger("trainlib")
 
@@ -206,6 +206,9 @@ class _DocumentSource:
 
             # Its JSON reader logs an unreadable file before raising; `_malformed` says it in one line.
             logging.getLogger("datasets.packaged_modules.json.json").addFilter(_unless_said_by_malformed)
+            # `datasets` makes its cache folder even to stream local files (a read-only HOME fails there)
+            writable_folder(Path(datasets.config.HF_DATASETS_CACHE), "the datasets cache (HF_DATASETS_CACHE)",
+                            fix="set HF_HOME or HF_DATASETS_CACHE to a writable folder")
 
             cfg = self.cfg
             if cfg.hf_dataset is not None:
