@@ -49,26 +49,35 @@ RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
 
 @dataclass
 class Float8Config:
-    enable: bool = False
-    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = "tensorwise"
+    enable: bool = field(default=False, metadata={
+        "help": "run the linear layers' matmuls in float8 (torchao; CUDA compute capability >= 8.9 unless emulate)"})
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = field(default="tensorwise", metadata={
+        "help": "tensorwise = a scale per tensor (fastest), rowwise = per row, rowwise_with_gw_hp = rowwise "
+                "but weight grads not in float8"})
     # fnmatch patterns over module names (e.g. "output", "layers.0.*"); matching
     # linears stay in high precision. Unset: the family's output projection
     # (ModelSpec.output_module), whose error goes straight into the logits and
     # which is one matmul; [] converts it too.
-    filter_fqns: list[str] | None = None
+    filter_fqns: list[str] | None = field(default=None, metadata={
+        "help": "fnmatch patterns of module names kept in high precision; none = the output projection; "
+                "[] = none kept"})
     # Emulate float8 matmuls in high precision (casts still round to float8):
     # for testing on hardware without float8 matmuls.
-    emulate: bool = False
+    emulate: bool = field(default=False, metadata={
+        "help": "emulate float8 matmuls in high precision (casts still round): tests numerics anywhere, no speed-up"})
     # tensorwise + FSDP: all-gather weights in float8 and precompute their
     # scales after each optimizer step. Ignored by the rowwise recipes.
-    fsdp_float8_all_gather: bool = True
+    fsdp_float8_all_gather: bool = field(default=True, metadata={
+        "help": "tensorwise + FSDP: all-gather weights in float8 (half the bytes); ignored by rowwise recipes"})
     # Linears whose size 2*in*out/(in+out) (the harmonic mean of their in and
     # out features) is below this stay in high precision. Per token, float8
     # halves a linear's matmul time, which grows as in*out, and adds casts of
     # its input and output gradient, which grow as in+out: small or skinny
     # linears lose. None: the recipe's bound, MIN_SIZE; 0: every linear with
     # dims multiple of 16 (the behaviour before this key).
-    min_size: int | None = None
+    min_size: int | None = field(default=None, metadata={
+        "help": "linears with 2*in*out/(in+out) below this stay high precision; none = the recipe's bound; "
+                "0 = convert all"})
 
     def __post_init__(self) -> None:
         if self.min_size is not None and self.min_size < 0:

@@ -12,7 +12,7 @@ Two forms of the same sum of token losses:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -31,12 +31,14 @@ class LossConfig:
     # output projection chunk by chunk (see chunked_cross_entropy_sum). False:
     # whole logits, then the cross-entropy (about 3 fp32 [tokens, vocab]
     # tensors at once at the loss).
-    chunked: bool = True
+    chunked: bool = field(default=True, metadata={"help": "apply the output projection and cross-entropy chunk by "
+                                                        "chunk, never holding whole [tokens, vocab] logits"})
     # Tokens per chunk; 0 = auto (resolve_chunk_tokens: 256 on CPU, up to
     # 2048 on CUDA). A chunk's transient memory is about 3 fp32
     # [chunk_tokens, vocab / tp] tensors (256 x 128256: 0.4 GB), plus the
     # logits and their gradient in bf16 when the matmuls run in bf16.
-    chunk_tokens: int = 0
+    chunk_tokens: int = field(default=0, metadata={"help": "tokens per chunk of the chunked loss; 0 = auto (256 on "
+                                                          "CPU, up to 2048 on CUDA)"})
 
     def __post_init__(self) -> None:
         if self.chunk_tokens < 0:

@@ -51,9 +51,11 @@ logger = logging.getLogger("trainlib")
 
 @dataclass
 class MetricsConfig:
-    log_freq: int = 10
+    log_freq: int = field(default=10, metadata={"help": "steps between metric records (file, console, backends); "
+                                                      "step 1 and the last step are always logged"})
     # A line per log step on rank 0. Off only for programs that print their own.
-    console: bool = True
+    console: bool = field(default=True, metadata={"help": "print a line per logged step on rank 0; false for programs "
+                                                        "that print their own"})
     enable_tensorboard: bool = field(default=False, metadata={
         "help": "also write every numeric metric to TensorBoard event files in the run folder's save_tb_folder "
                 "(needs the extra: pip install 'trainlib[tensorboard]')"})
@@ -61,7 +63,7 @@ class MetricsConfig:
     enable_wandb: bool = field(default=False, metadata={
         "help": "also log every numeric metric to Weights & Biases; its files go to the run folder's wandb/ "
                 "(needs the extra: pip install 'trainlib[wandb]')"})
-    wandb_project: str = "trainlib"
+    wandb_project: str = field(default="trainlib", metadata={"help": "W&B project the run is logged to (enable_wandb)"})
     wandb_entity: str | None = field(default=None, metadata={"help": "W&B team or user; unset: your default"})
     wandb_mode: Literal["online", "offline"] | None = field(default=None, metadata={
         "help": "W&B mode; offline writes only local files (`wandb sync` uploads them later). "

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
@@ -18,12 +18,17 @@ from trainlib.precision import LowPrecisionCopies
 
 @dataclass
 class OptimizerConfig:
-    name: Literal["adamw"] = "adamw"
-    lr: float = 3e-4
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
+    name: Literal["adamw"] = field(default="adamw", metadata={"help": "the optimizer (AdamW, decoupled weight decay)"})
+    lr: float = field(default=3e-4, metadata={"help": "peak learning rate, reached after warmup; lr_scheduler "
+                                                       "scales it"})
+    beta1: float = field(default=0.9, metadata={"help": "decay rate of the gradient's running mean (first moment), "
+                                                         "in [0, 1)"})
+    beta2: float = field(default=0.95, metadata={"help": "decay rate of the squared gradient's running mean (second "
+                                                          "moment), in [0, 1)"})
+    eps: float = field(default=1e-8, metadata={"help": "added to the second moment's root in the update's "
+                                                        "denominator; > 0"})
+    weight_decay: float = field(default=0.1, metadata={"help": "decoupled weight decay of matrices (norm gains and "
+                                                                "other 1-D parameters get none); 0 = off"})
     # "auto": fused (torch's one-kernel AdamW, for plain tensors and DTensors
     # alike) when every parameter is on CUDA, foreach elsewhere (CPU keeps
     # foreach's numerics); an explicit value is used as given. fused runs on
@@ -32,12 +37,15 @@ class OptimizerConfig:
     # "compiled": trainlib's AdamW (trainlib.adamw), one compiled pass per
     # parameter on CUDA (eager elsewhere) that can keep its moments in bf16
     # and writes the weights' bf16 copies under autocast in the same pass.
-    implementation: Literal["auto", "foreach", "fused", "for-loop", "compiled"] = "auto"
+    implementation: Literal["auto", "foreach", "fused", "for-loop", "compiled"] = field(default="auto", metadata={
+        "help": "AdamW code path; auto = compiled (trainlib's) for bf16 moments or bf16 weight copies, else fused "
+                "on CUDA, foreach on CPU"})
     # The moments' dtype. "bfloat16" halves the optimizer state (the update
     # is still computed in fp32) and needs implementation "compiled" or
     # "auto" (which then picks it). Checkpoints record it; a resume refuses a
     # checkpoint of the other dtype.
-    state_dtype: Literal["float32", "bfloat16"] = "float32"
+    state_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={
+        "help": "dtype of AdamW's moments; bfloat16 halves optimizer state, needs implementation compiled or auto"})
 
     def __post_init__(self) -> None:
         if self.state_dtype != "float32" and self.implementation not in ("auto", "compiled"):
@@ -58,13 +66,17 @@ class OptimizerConfig:
 
 @dataclass
 class LRSchedulerConfig:
-    warmup_steps: int = 0
+    warmup_steps: int = field(default=0, metadata={"help": "steps of linear warmup from lr / warmup_steps up to lr; "
+                                                           "0 = start at the peak"})
     # After warmup: cosine or linear decay to min_lr_ratio * lr over the rest of
     # the run; "wsd" (warmup-stable-decay) holds the peak and decays linearly
     # over the last `decay_ratio` of the steps; "constant" holds the peak.
-    decay_type: Literal["cosine", "linear", "wsd", "constant"] = "cosine"
-    min_lr_ratio: float = 0.1
-    decay_ratio: float = 0.2
+    decay_type: Literal["cosine", "linear", "wsd", "constant"] = field(default="cosine", metadata={
+        "help": "after warmup: cosine/linear decay to the end, wsd = hold then decay linearly, constant = hold"})
+    min_lr_ratio: float = field(default=0.1, metadata={
+        "help": "final lr as a fraction of optimizer.lr (cosine, linear, wsd), in [0, 1]"})
+    decay_ratio: float = field(default=0.2, metadata={
+        "help": "wsd only: fraction of the post-warmup steps spent decaying, in (0, 1]"})
 
     def __post_init__(self) -> None:
         if self.warmup_steps < 0:

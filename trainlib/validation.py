@@ -28,7 +28,8 @@ from trainlib.step import StepRunner
 
 @dataclass
 class ValidationConfig:
-    enable: bool = False
+    enable: bool = field(default=False, metadata={"help": "compute loss and perplexity on held-out data every "
+                                                          "interval steps and at the last step"})
     interval: int = field(default=100, metadata={"help": "steps between validations (and always at the last step)"})
     steps: int = field(default=10, metadata={"help": "global batches per validation (training.global_batch_size "
                                                      "sequences each)"})

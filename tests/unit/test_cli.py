@@ -60,6 +60,23 @@ def test_help_lists_keys(capsys):
         assert key in out
 
 
+def test_help_describes_every_key():
+    """Every recipe key's --help line ends in its help text (`field(metadata={"help": ...})`): a key added
+    without one fails here, naming it."""
+    import re
+
+    from trainlib.config.job import JobConfig
+    from trainlib.config.loader import describe
+
+    lines = describe(JobConfig).splitlines()
+    assert len(lines) > 100  # every section's keys, nested ones (validation.data.*) included
+    line_re = re.compile(r"(?P<key>[a-z_][a-z0-9_.]*) = .+?  # (?P<type>[^;]+?)(?:; (?P<help>.*))?")
+    bad = [line for line in lines if not line_re.fullmatch(line)]
+    assert not bad, f"lines that do not read 'section.key = default  # type; help': {bad}"
+    missing = [m["key"] for m in map(line_re.fullmatch, lines) if not (m["help"] or "").strip()]
+    assert not missing, f"recipe keys without help (add metadata={{'help': ...}} to the field): {missing}"
+
+
 
 
 def test_one_parser_for_every_tool_set_alias_and_tool_flags():

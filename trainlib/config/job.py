@@ -31,7 +31,8 @@ from trainlib.validation import ValidationConfig
 class JobSection:
     dump_folder: str = field(default="./outputs/run", metadata={"help": "run folder: config, metrics, checkpoints"})
     description: str = field(default="", metadata={"help": "printed at startup; kept in the run's config.toml"})
-    device: Literal["auto", "cpu", "cuda"] = "auto"
+    device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={
+        "help": "where to train: auto = CUDA (one GPU per rank, by local rank) when one is visible, else CPU"})
 
 
 @dataclass
@@ -42,8 +43,9 @@ class ModelConfig:
         f"{spec.name}: {', '.join(spec.flavors)}" for spec in MODELS.values())})
     # Shape overrides on top of the flavor, for scaled-down experiments and
     # benchmarks (e.g. 8B layers but fewer of them on one GPU).
-    n_layers: int | None = None
-    vocab_size: int | None = None
+    n_layers: int | None = field(default=None, metadata={"help": "number of transformer blocks; none = the flavor's"})
+    vocab_size: int | None = field(default=None, metadata={
+        "help": "embedding and output rows; none = the flavor's; must be >= the tokenizer's vocabulary"})
     attn_mask: Literal["causal", "document"] = field(default="causal", metadata={
         "help": "document: no token attends across a document boundary inside a packed window (docs/data.md)"})
 
@@ -55,14 +57,18 @@ class ModelConfig:
 class TrainingConfig(GuardConfig):
     """The loop's keys; the non-finite/spike guard's keys come from GuardConfig (trainlib.guard)."""
 
-    steps: int = 100
-    seed: int = 0
-    seq_len: int = 256
+    steps: int = field(default=100, metadata={"help": "optimizer steps of the whole run (a resumed run trains up to "
+                                                      "it, not this many more); also the lr schedule's length"})
+    seed: int = field(default=0, metadata={"help": "seeds the weight initialisation and any data shuffling"})
+    seq_len: int = field(default=256, metadata={"help": "tokens per training sequence (the context window trained on)"})
     global_batch_size: int = field(default=16, metadata={"help": "sequences per optimizer step, fixed whatever the layout"})
     local_batch_size: int | None = field(default=None, metadata={"help": "sequences per rank per micro-step; default global/dp (no accumulation)"})
     max_norm: float = field(default=1.0, metadata={"help": "gradient clipping norm; <= 0 disables clipping"})
-    mixed_precision_param: Literal["float32", "bfloat16"] = "float32"
-    mixed_precision_reduce: Literal["float32", "bfloat16"] = "float32"
+    mixed_precision_param: Literal["float32", "bfloat16"] = field(default="float32", metadata={"help": (
+        "dtype of compute and of FSDP's weight all-gather; the weights stay float32; bfloat16: see "
+        "mixed_precision_impl")})
+    mixed_precision_reduce: Literal["float32", "bfloat16"] = field(default="float32", metadata={
+        "help": "dtype FSDP reduces gradients in across data-parallel ranks"})
     mixed_precision_impl: Literal["auto", "fsdp", "autocast"] = field(default="auto", metadata={"help": (
         "how a bfloat16 mixed_precision_param is applied: auto = torch.autocast over fp32 weights in a job of one "
         "rank, FSDP's mixed-precision policy otherwise; fsdp = FSDP everywhere (also on one rank); "

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from typing import Literal
 
@@ -45,9 +45,12 @@ MODES = ("none", "full", "selective_layer", "selective_op")
 
 @dataclass
 class ActivationCheckpointConfig:
-    mode: Literal["none", "full", "selective_layer", "selective_op"] = "none"
-    every_k: int = 2  # selective_layer: checkpoint blocks 0, k, 2k, ...
-    selective_op_policy: Literal["all_mm", "every_other_mm"] = "all_mm"
+    mode: Literal["none", "full", "selective_layer", "selective_op"] = field(default="none", metadata={
+        "help": "recompute in backward: full = every block, selective_layer = blocks 0, k, 2k, ..., "
+                "selective_op = cheap ops"})
+    every_k: int = field(default=2, metadata={"help": "selective_layer: checkpoint blocks 0, k, 2k, ..."})
+    selective_op_policy: Literal["all_mm", "every_other_mm"] = field(default="all_mm", metadata={
+        "help": "selective_op: save every matmul's output (all_mm) or every other one's (every_other_mm)"})
 
     def __post_init__(self) -> None:
         if self.every_k < 1:

@@ -10,7 +10,7 @@ init and checkpoint keys strip it (trainlib.params.canonical_name).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -18,11 +18,13 @@ from torch import nn
 
 @dataclass
 class CompileConfig:
-    enable: bool = False
+    enable: bool = field(default=False, metadata={"help": "torch.compile each transformer block (one graph shared by "
+                                                         "all blocks)"})
     # Also compile the loss (fuses the fp32 upcast of the logits with the
     # cross-entropy, which saves a [tokens, vocab] fp32 copy).
-    loss: bool = False
-    backend: str = "inductor"
+    loss: bool = field(default=False, metadata={
+        "help": "also compile the loss (only with compile.enable); saves an fp32 [tokens, vocab] copy"})
+    backend: str = field(default="inductor", metadata={"help": "torch.compile backend for the blocks and the loss"})
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor") -> nn.Module:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 from trainlib.errors import ConfigError
@@ -11,31 +11,54 @@ from trainlib.parallel.parallel_dims import AXES, check_degrees
 
 @dataclass
 class ParallelismConfig:
-    dp_replicate: int = 1
-    dp_shard: int = -1  # -1: all ranks left after the other axes
-    cp: int = 1
-    tp: int = 1
-    pp: int = 1
+    dp_replicate: int = field(default=1, metadata={
+        "help": "data-parallel replicas of the model (HSDP: FSDP shards within each, gradients all-reduced "
+                "across); 1 = off"})
+    dp_shard: int = field(default=-1, metadata={
+        "help": "FSDP degree: ranks sharding parameters, gradients and optimizer state; -1 = all ranks the "
+                "other axes leave"})
+    cp: int = field(default=1, metadata={
+        "help": "context-parallel degree: ranks splitting each sequence (seq_len divisible by 2*cp, or cp if not "
+                "load-balanced); 1 = off"})
+    tp: int = field(default=1, metadata={
+        "help": "tensor-parallel degree: ranks splitting each block's matmuls (innermost axis, fastest links); "
+                "1 = off"})
+    pp: int = field(default=1, metadata={
+        "help": "pipeline-parallel degree: ranks the layers are split over in stages (outermost axis); 1 = off"})
     # Expert parallel (mixture-of-experts families): experts sharded over ep ranks borrowed from
     # dp_shard x cp x tp (trainlib.parallel.parallel_dims); 1 = off. A dense family refuses ep > 1.
-    ep: int = 1
+    ep: int = field(default=1, metadata={
+        "help": "expert-parallel degree (MoE families only): experts split over ep ranks taken from "
+                "dp_shard x cp x tp; 1 = off"})
     # "default" reshards after forward (saves memory, re-gathers in backward)
     # except where it is known to be wrong or wasteful; "always"/"never" force it.
-    fsdp_reshard_after_forward: Literal["default", "always", "never"] = "default"
-    fsdp_cpu_offload: bool = False
+    fsdp_reshard_after_forward: Literal["default", "always", "never"] = field(default="default", metadata={
+        "help": "free each block's gathered parameters after forward, re-gather in backward; default = yes "
+                "except under PP; always/never force it"})
+    fsdp_cpu_offload: bool = field(default=False, metadata={
+        "help": "keep FSDP's parameter shards, gradients and optimizer state in CPU memory (needs FSDP in the job)"})
     # Tensor parallel (trainlib.parallel.tp); see docs/tensor_parallel.md.
-    tp_sequence_parallel: bool = True
-    tp_loss_parallel: bool = True
-    tp_async: bool = False  # CUDA + torch.compile only
+    tp_sequence_parallel: bool = field(default=True, metadata={
+        "help": "under TP, shard norms and the residual stream along the sequence (needs seq_len % tp == 0)"})
+    tp_loss_parallel: bool = field(default=True, metadata={
+        "help": "under TP, compute the loss on vocabulary-sharded logits, never gathering whole logits"})
+    tp_async: bool = field(default=False, metadata={
+        "help": "under TP, overlap its collectives with the matmuls (CUDA and compile.enable only)"})
     # Pipeline parallel (trainlib.parallel.pp); see docs/pipeline_parallel.md.
     pp_schedule: Literal["GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble",
-                         "ZBVZeroBubble", "DualPipeV"] = "1F1B"
-    pp_microbatches: int | None = None  # per local batch; default: the number of stages
-    pp_stages_per_rank: int | None = None  # default: 1 for GPipe/1F1B, 2 for the others
-    pp_layers_per_stage: list[int] | None = None  # one count per stage; default: even split
+                         "ZBVZeroBubble", "DualPipeV"] = field(default="1F1B", metadata={
+        "help": "pipeline schedule: the order of micro-batch forwards and backwards (docs/pipeline_parallel.md)"})
+    pp_microbatches: int | None = field(default=None, metadata={
+        "help": "pipeline micro-batches per local batch (must divide it); none = the number of stages"})
+    pp_stages_per_rank: int | None = field(default=None, metadata={
+        "help": "pipeline stages per pp rank; none = 1 for GPipe/1F1B, 2 for the others (V schedules need 2)"})
+    pp_layers_per_stage: list[int] | None = field(default=None, metadata={
+        "help": "blocks per stage, one count per stage (e.g. [7, 8, 8, 7]), summing to n_layers; none = even split"})
     # Context parallel: each cp rank holds sequence chunks r and 2*cp-1-r so that
     # causal attention work is equal across ranks; false keeps one contiguous chunk.
-    cp_load_balance: bool = True
+    cp_load_balance: bool = field(default=True, metadata={
+        "help": "under CP, rank r holds chunks r and 2*cp-1-r so causal attention work is even; "
+                "false = one contiguous chunk"})
 
     def __post_init__(self) -> None:
         check_degrees({axis: getattr(self, axis) for axis in (*AXES, "ep")})
