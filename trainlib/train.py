@@ -34,6 +34,7 @@ from trainlib.errors import (EXIT_INTERNAL, EXIT_PREEMPTED, EXIT_STOPPED, EXIT_U
 from trainlib.guard import Guard
 from trainlib.loss import count_targets
 from trainlib.metrics import MetricsLogger, setup_logging
+from trainlib.plan.core import refuse_unless_fits
 from trainlib.models.registry import get_model_spec, model_args
 from trainlib.optim import build_lr_scheduler, build_optimizer, implementation_of
 from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
@@ -124,6 +125,7 @@ def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, tokenizer, lo
         save_config(cfg, run_dir / "config.toml")
 
     built = build_model_parts(cfg, dims, info.device)  # meta build, float8, PP split, parallelize
+    refuse_unless_fits(cfg, dims, built, local_bs, grad_accum, info.device)  # before anything is allocated
     for part in built.parts:  # FSDP's CPU offload wants its parameter shards materialised on the CPU
         init_model_weights(part, t.seed, info.device, "cpu" if cfg.parallelism.fsdp_cpu_offload else None)
         part.train()

@@ -355,3 +355,19 @@ def test_a_datasets_cache_that_cannot_be_written_is_one_line(capsys, tmp_path, m
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("trainlib: error: the datasets cache (HF_DATASETS_CACHE) = ")
     assert f"{blocker} is a file, not a folder" in err, err
+
+
+def test_a_job_bigger_than_the_machine_is_refused_before_it_allocates(capsys, tmp_path, monkeypatch):
+    """seq_len 1,000,000 on the debug model (~370 GiB) was killed by the kernel without a word."""
+    args = ["--training.steps=1", f"--job.dump_folder={tmp_path / 'run'}", "--metrics.console=false"]
+    assert main([*args, "--training.seq_len=1000000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("trainlib: error: this job needs about "), err
+    assert "GiB per rank at its peak (trainlib.plan's estimate: activations " in err and "16 x 1000000 tokens" in err
+    # What the rank has decides, and job.check_memory=false lets the job try anyway.
+    import trainlib.plan.core as plan_core
+
+    monkeypatch.setattr(plan_core, "available_bytes", lambda device: (2**20, "a 1 MiB test machine"))
+    assert main([*args, "--training.seq_len=32"]) == 2
+    assert "and this rank has 0.0 GiB (a 1 MiB test machine)" in capsys.readouterr().err
+    assert main([*args, "--training.seq_len=32", "--job.check_memory=false"]) == 0

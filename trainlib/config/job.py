@@ -33,6 +33,9 @@ class JobSection:
     description: str = field(default="", metadata={"help": "printed at startup; kept in the run's config.toml"})
     device: Literal["auto", "cpu", "cuda"] = field(default="auto", metadata={
         "help": "where to train: auto = CUDA (one GPU per rank, by local rank) when one is visible, else CPU"})
+    check_memory: bool = field(default=True, metadata={
+        "help": "refuse at start-up a job whose predicted per-rank peak memory (trainlib.plan) exceeds what the "
+                "rank has; false: try anyway"})
 
 
 @dataclass

@@ -136,11 +136,9 @@ def build_on_fake_world(cfg, world_size: int) -> Build:
 
 def _build_rank(cfg, world_size: int, rank: int) -> tuple[RankBuild, dict, list[int]]:
     """(this rank's RankBuild, the layout facts, the first global rank of every pipeline coordinate)."""
-    from torch.distributed.fsdp import FSDPModule
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     from trainlib.build import build_model_parts
-    from trainlib.models.registry import get_model_spec
     from trainlib.parallel import ParallelDims
 
     if dist.is_initialized():
@@ -151,35 +149,46 @@ def _build_rank(cfg, world_size: int, rank: int) -> tuple[RankBuild, dict, list[
         dims = ParallelDims.from_config(cfg.parallelism, world_size)
         dims.build_mesh("cpu")
         built = build_model_parts(cfg, dims, torch.device("cpu"))
-        parts, pipe = built.parts, built.pipeline
-        pp_rank = dims.mesh("pp").get_local_rank()
-        stage_ids = [s.stage_index for s in pipe.stages] if pipe else [0]
-        blocks = [b for part in parts for b in part.layers.values()]
-        facts = dict(
-            n_params=built.n_params, fsdp=any(isinstance(part, FSDPModule) for part in parts),
-            n_stages=pipe.stages[0].num_stages if pipe else 1, stages_per_rank=len(stage_ids),
-            n_microbatches=pipe.n_microbatches if pipe else 1,
-            groups={**{a: dims.rank_groups(a) for a in dims.degrees()}, "fsdp": dims.rank_groups("dp_shard_cp")},
-            autocast=built.autocast_dtype is not None,
-            weight_copies=getattr(built, "weight_copies", None) is not None)
-        linears = [(name, m) for part in parts for name, m in part.named_modules() if isinstance(m, nn.Linear)]
-        roots = get_model_spec(cfg.model.name).stage_roots
-        rank_build = RankBuild(pp_rank, stage_ids, [int(i) for part in parts for i in part.layers],
-                               any(getattr(part, name) is not None for part in parts for name in roots.first),
-                               any(getattr(part, name) is not None for part in parts for name in roots.last),
-                               {**state_bytes(parts, optimizer_state_dtype(cfg)),
-                                "weight_copies": weight_copy_bytes(parts)},
-                               sum(_per_tp_rank(p) for p in blocks[0].parameters()) if blocks else 0,
-                               sum(_per_tp_rank(p) for part in parts for name, p in part.named_parameters()
-                                   if not name.startswith("layers.")),
-                               sum(p.numel() for part in parts for p in part.parameters() if _tp_replicated(p)),
-                               sum(_per_tp_rank(m.weight) for name, m in linears if name.startswith("layers.")),
-                               sum(_per_tp_rank(m.weight) for name, m in linears
-                                   if name == get_model_spec(cfg.model.name).output_module),
-                               *(_float8_linears(parts) if cfg.float8.enable else ({}, {})))
+        rank_build, facts = read_rank_build(cfg, dims, built)
         return rank_build, facts, [int(r) for r in dims.mesh("pp").mesh.tolist()]
     finally:
         dist.destroy_process_group()
+
+
+def read_rank_build(cfg, dims, built) -> tuple[RankBuild, dict]:
+    """(what this rank's built model parts hold, the layout facts): from a fake world's build or the
+    job's own, before its weights are materialised."""
+    from torch.distributed.fsdp import FSDPModule
+
+    from trainlib.models.registry import get_model_spec
+
+    parts, pipe = built.parts, built.pipeline
+    pp_rank = dims.mesh("pp").get_local_rank()
+    stage_ids = [s.stage_index for s in pipe.stages] if pipe else [0]
+    blocks = [b for part in parts for b in part.layers.values()]
+    facts = dict(
+        n_params=built.n_params, fsdp=any(isinstance(part, FSDPModule) for part in parts),
+        n_stages=pipe.stages[0].num_stages if pipe else 1, stages_per_rank=len(stage_ids),
+        n_microbatches=pipe.n_microbatches if pipe else 1,
+        groups={**{a: dims.rank_groups(a) for a in dims.degrees()}, "fsdp": dims.rank_groups("dp_shard_cp")},
+        autocast=built.autocast_dtype is not None,
+        weight_copies=getattr(built, "weight_copies", None) is not None)
+    linears = [(name, m) for part in parts for name, m in part.named_modules() if isinstance(m, nn.Linear)]
+    spec = get_model_spec(cfg.model.name)
+    roots = spec.stage_roots
+    rank_build = RankBuild(pp_rank, stage_ids, [int(i) for part in parts for i in part.layers],
+                           any(getattr(part, name) is not None for part in parts for name in roots.first),
+                           any(getattr(part, name) is not None for part in parts for name in roots.last),
+                           {**state_bytes(parts, optimizer_state_dtype(cfg)),
+                            "weight_copies": weight_copy_bytes(parts)},
+                           sum(_per_tp_rank(p) for p in blocks[0].parameters()) if blocks else 0,
+                           sum(_per_tp_rank(p) for part in parts for name, p in part.named_parameters()
+                               if not name.startswith("layers.")),
+                           sum(p.numel() for part in parts for p in part.parameters() if _tp_replicated(p)),
+                           sum(_per_tp_rank(m.weight) for name, m in linears if name.startswith("layers.")),
+                           sum(_per_tp_rank(m.weight) for name, m in linears if name == spec.output_module),
+                           *(_float8_linears(parts) if cfg.float8.enable else ({}, {})))
+    return rank_build, facts
 
 
 def _float8_linears(parts) -> tuple[dict[str, int], dict[str, float]]:
@@ -311,18 +320,52 @@ def float8_cuts(cfg, gpu: str, sizes: dict[str, float], assumptions: dict) -> di
     return {name: 1 - 1 / speedup - cast / size for name, size in sizes.items()}
 
 
+def step_shape(cfg, dims, args, n_stages: int, stages_per_rank: int, n_microbatches: int, fsdp: bool,
+               block_params: int, local_bs: int, device_type: str) -> StepShape:
+    """The memory and communication formulas' view of one rank's step."""
+    from trainlib.build import loss_chunk_tokens
+    from trainlib.models.registry import get_model_spec
+    from trainlib.parallel.fsdp import reshard_after_forward
+
+    t, par = cfg.training, cfg.parallelism
+    blocks = tuple(get_model_spec(cfg.model.name).block_shapes(args))
+    return StepShape(blocks=blocks, dim=blocks[0].dim, vocab_size=args.vocab_size, pp=dims.pp, tp=dims.tp,
+                     cp=dims.cp, sp=dims.tp_enabled and par.tp_sequence_parallel,
+                     loss_parallel=dims.tp_enabled and par.tp_loss_parallel,
+                     elem=DTYPE_BYTES[t.mixed_precision_param], reduce_elem=DTYPE_BYTES[t.mixed_precision_reduce],
+                     schedule=par.pp_schedule, n_stages=n_stages, stages_per_rank=stages_per_rank,
+                     n_microbatches=n_microbatches, mb_tokens=local_bs // n_microbatches * t.seq_len / dims.cp,
+                     fsdp=fsdp, reshard=reshard_after_forward(par.fsdp_reshard_after_forward, dims.pp_enabled),
+                     block_params=block_params,
+                     loss_chunk_tokens=loss_chunk_tokens(cfg, args.vocab_size, dims.tp, device_type)
+                     if cfg.loss.chunked else None)
+
+
+def stage_memory(cfg, s: StepShape, r: RankBuild, grad_accum: int, assumptions: dict) -> StagePlan:
+    """One pipeline rank's memory at its peak (trainlib.plan.memory.rank_memory)."""
+    # Gradients outlive a backward where a later micro-batch adds to them. Only
+    # foreach AdamW allocates a temporary, one second moment's size; "auto" is
+    # fused on GPUs (trainlib.optim.resolve_implementation).
+    grads_held = grad_accum > 1 or s.n_microbatches > 1
+    foreach = cfg.optimizer.implementation == "foreach"
+    moment_share = DTYPE_BYTES[optimizer_state_dtype(cfg)] / DTYPE_BYTES["float32"]  # per fp32 parameter byte
+    mem, not_live = rank_memory(s, cfg.activation_checkpoint, r.pp_rank, r.stage_ids, r.layers, r.has_embedding,
+                                r.has_output, r.state, assumptions["allocator_overhead"], grads_held=grads_held,
+                                optimizer_temp=r.state["params"] * moment_share if foreach else 0.0)
+    return StagePlan(r.pp_rank, r.stage_ids, r.layers, r.has_embedding, r.has_output, mem,
+                     sum(v for k, v in mem.items() if k not in not_live), not_live)
+
+
 def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides: list[str] | None = None,
               assumptions: dict | None = None) -> Plan:
     """Validate `recipe` (with `section.key=value` overrides) for `world_size`
     ranks and predict per-rank memory and step time. Raises ConfigError with
     the job's own one-line message for a bad layout."""
-    from trainlib.build import loss_chunk_tokens
     from trainlib.config import ConfigError, load_job_config
     from trainlib.config.validate import resolve_local_batch_size, validate_job
     from trainlib.models.registry import get_model_spec, model_args
     from trainlib.parallel import ParallelDims
     from trainlib.parallel.ac import recomputed_flops_per_token
-    from trainlib.parallel.fsdp import reshard_after_forward
 
     if gpu not in GPUS:
         raise ConfigError(f"--gpu '{gpu}' is unknown; valid: {', '.join(GPUS)}")
@@ -333,34 +376,13 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
     args = model_args(cfg.model)
     validate_job(cfg, dims, args, _tokenizer_vocab(cfg, args))
     local_bs, grad_accum = resolve_local_batch_size(cfg, dims)
-    state_dtype = optimizer_state_dtype(cfg)
 
     b = build_on_fake_world(cfg, world_size)
     mb = local_bs // b.n_microbatches
     spec = get_model_spec(cfg.model.name)
-    blocks = tuple(spec.block_shapes(args))
-    s = StepShape(blocks=blocks, dim=blocks[0].dim, vocab_size=args.vocab_size, pp=dims.pp, tp=dims.tp, cp=dims.cp, sp=dims.tp_enabled and par.tp_sequence_parallel,
-                  loss_parallel=dims.tp_enabled and par.tp_loss_parallel,
-                  elem=DTYPE_BYTES[t.mixed_precision_param], reduce_elem=DTYPE_BYTES[t.mixed_precision_reduce],
-                  schedule=par.pp_schedule, n_stages=b.n_stages, stages_per_rank=b.stages_per_rank,
-                  n_microbatches=b.n_microbatches, mb_tokens=mb * t.seq_len / dims.cp, fsdp=b.fsdp,
-                  reshard=reshard_after_forward(par.fsdp_reshard_after_forward, dims.pp_enabled),
-                  block_params=b.block_params,  # the loss's chunk as it would be resolved on the GPUs planned for
-                  loss_chunk_tokens=loss_chunk_tokens(cfg, args.vocab_size, dims.tp, "cuda") if cfg.loss.chunked
-                  else None)
-    # Gradients outlive a backward where a later micro-batch adds to them. Only
-    # foreach AdamW allocates a temporary, one second moment's size; "auto" is
-    # fused on GPUs (trainlib.optim.resolve_implementation).
-    grads_held = grad_accum > 1 or b.n_microbatches > 1
-    foreach = cfg.optimizer.implementation == "foreach"
-    moment_share = DTYPE_BYTES[state_dtype] / DTYPE_BYTES["float32"]  # a moment's bytes per fp32 parameter byte
-    stages = []
-    for r in b.ranks:
-        mem, not_live = rank_memory(s, ac, r.pp_rank, r.stage_ids, r.layers, r.has_embedding, r.has_output,
-                                    r.state, A["allocator_overhead"], grads_held=grads_held,
-                                    optimizer_temp=r.state["params"] * moment_share if foreach else 0.0)
-        stages.append(StagePlan(r.pp_rank, r.stage_ids, r.layers, r.has_embedding, r.has_output, mem,
-                                sum(v for k, v in mem.items() if k not in not_live), not_live))
+    s = step_shape(cfg, dims, args, b.n_stages, b.stages_per_rank, b.n_microbatches, b.fsdp, b.block_params,
+                   local_bs, "cuda")  # the loss's chunk as it would be resolved on the GPUs planned for
+    stages = [stage_memory(cfg, s, r, grad_accum, A) for r in b.ranks]
 
     intra = axis_intra_node(b.groups, A["gpus_per_node"])
     comm = comm_bytes(s, fsdp_degree=len(b.groups["fsdp"][0]), dp_replicate=dims.dp_replicate,
@@ -413,3 +435,68 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
         max_total_bytes=worst.total_bytes, fits=fits, assumptions={**A, "gpu": asdict(hw)}, warnings=warnings,
     )
 
+
+
+# ---- the job's own check ---------------------------------------------------------------------------------------------
+
+
+def job_peak(cfg, dims, built, local_bs: int, grad_accum: int, device_type: str) -> StagePlan:
+    """This rank's predicted peak memory, from the job's own build (before its weights exist)."""
+    from trainlib.models.registry import model_args
+
+    r, facts = read_rank_build(cfg, dims, built)
+    s = step_shape(cfg, dims, model_args(cfg.model), facts["n_stages"], facts["stages_per_rank"],
+                   facts["n_microbatches"], facts["fsdp"], r.block_params, local_bs, device_type)
+    return stage_memory(cfg, s, r, grad_accum, ASSUMPTIONS)
+
+
+def available_bytes(device: torch.device) -> tuple[float, str] | None:
+    """(bytes this rank may use, where that figure comes from), or None where it is not known. CPU:
+    the kernel's MemAvailable, and the cgroup's limit less its use where lower, shared by the node's
+    ranks (LOCAL_WORLD_SIZE); CUDA: the device's free memory."""
+    import os
+
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return float(free), f"free on {torch.cuda.get_device_name(device)}"
+    if device.type != "cpu":
+        return None
+    try:
+        with open("/proc/meminfo") as f:
+            fields = dict(line.split(":", 1) for line in f)
+        avail, where = float(fields["MemAvailable"].split()[0]) * 1024, "MemAvailable"
+    except (OSError, KeyError, ValueError):
+        return None
+    try:
+        with open("/sys/fs/cgroup/memory.max") as f:
+            limit = f.read().strip()
+        with open("/sys/fs/cgroup/memory.current") as f:
+            used = float(f.read().strip())
+        if limit != "max" and float(limit) - used < avail:
+            avail, where = float(limit) - used, "the cgroup's memory.max less memory.current"
+    except (OSError, ValueError):
+        pass
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    return avail / local, where + (f", shared by {local} ranks on this node" if local > 1 else "")
+
+
+def refuse_unless_fits(cfg, dims, built, local_bs: int, grad_accum: int, device: torch.device) -> None:
+    """A job whose predicted peak exceeds what this rank has is refused before it allocates: past
+    that, the kernel's OOM killer ends a CPU job without a word, and a GPU job fails mid-step."""
+    from trainlib.errors import ConfigError
+
+    have = available_bytes(device)
+    if have is None or not cfg.job.check_memory:
+        return
+    plan = job_peak(cfg, dims, built, local_bs, grad_accum, device.type)
+    if plan.total_bytes <= have[0]:
+        return
+    live = {k: v for k, v in plan.memory.items() if k not in plan.not_live and v >= 0.05 * plan.total_bytes}
+    parts = ", ".join(f"{k} {v / GiB:.1f}" for k, v in sorted(live.items(), key=lambda kv: -kv[1]))
+    t = cfg.training
+    raise ConfigError(
+        f"this job needs about {plan.total_bytes / GiB:.1f} GiB per rank at its peak (trainlib.plan's estimate: "
+        f"{parts} GiB) and this rank has {have[0] / GiB:.1f} GiB ({have[1]}); it fits with less per rank: "
+        f"activation checkpointing (--activation_checkpoint.mode=full), a smaller local batch "
+        f"(now {local_bs} x {t.seq_len} tokens), more ranks sharding it (python -m trainlib.plan --world-size N "
+        f"--suggest lists layouts that fit), or set job.check_memory=false to try anyway")
