@@ -124,6 +124,8 @@ def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, tokenizer, lo
     if info.rank == 0:
         save_config(cfg, run_dir / "config.toml")
 
+    dp_rank, dp_world = dims.dp_coords()  # the data's refusals come before the memory check's, which may follow from them
+    loader = build_dataloader(cfg.data, tokenizer, t.seq_len, local_bs, dp_rank, dp_world, t.seed)
     built = build_model_parts(cfg, dims, info.device)  # meta build, float8, PP split, parallelize
     refuse_unless_fits(cfg, dims, built, local_bs, grad_accum, info.device)  # before anything is allocated
     for part in built.parts:  # FSDP's CPU offload wants its parameter shards materialised on the CPU
@@ -132,8 +134,6 @@ def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, tokenizer, lo
 
     optimizer = build_optimizer(built.parts, cfg.optimizer, built.weight_copies)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
-    dp_rank, dp_world = dims.dp_coords()
-    loader = build_dataloader(cfg.data, tokenizer, t.seq_len, local_bs, dp_rank, dp_world, t.seed)
     guard = Guard(t, optimizer, info.device)
     checkpointer = Checkpointer(cfg.checkpoint, run_dir, {
         "model": ModelState(built.parts), "optimizer": OptimizerState(built.parts, optimizer),

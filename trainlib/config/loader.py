@@ -279,6 +279,23 @@ def _load(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict]:
     return merged, org
 
 
+def recipes_dir() -> Path:
+    package = Path(__file__).resolve().parents[1]  # trainlib/
+    installed = package / "recipes"
+    return installed if installed.is_dir() else package.parent / "recipes"
+
+
+def aliases() -> dict[str, str]:
+    """Other names of the shipped recipes (the design card's, e.g. for the Llama 3.1 recipes), each
+    declared by its recipe file as a top-level `aliases = [...]` -> the recipe's stem."""
+    out = {}
+    for path in sorted(recipes_dir().glob("*.toml")):
+        with open(path, "rb") as fh:
+            for alias in tomllib.load(fh).get("aliases", []):
+                out[alias] = path.stem
+    return out
+
+
 def _base_recipe(path: Path, base: str) -> Path:
     """What `extends = base` in `path` names: a file relative to the extending file (not the CWD) when
     there is one; else, for a bare name, the shipped recipe of that name or alias, so that a user's
@@ -286,8 +303,6 @@ def _base_recipe(path: Path, base: str) -> Path:
     local = path.parent / base
     if local.is_file() or any(sep and sep in base for sep in ("/", os.sep, os.altsep)):
         return local
-    from trainlib.config.recipes import aliases, recipes_dir  # that module imports this one
-
     stem = base.removesuffix(".toml")
     shipped = recipes_dir() / f"{aliases().get(stem, stem)}.toml"
     return shipped if shipped.is_file() else local

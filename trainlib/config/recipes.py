@@ -14,26 +14,9 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from trainlib.config.loader import ConfigError, closest_key, tomllib
+from trainlib.config.loader import ConfigError, aliases, closest_key, recipes_dir
 
 __all__ = ["aliases", "available_recipes", "recipes_dir", "resolve_recipe"]
-
-
-def recipes_dir() -> Path:
-    package = Path(__file__).resolve().parents[1]
-    installed = package / "recipes"
-    return installed if installed.is_dir() else package.parent / "recipes"
-
-
-def aliases() -> dict[str, str]:
-    """Other names of the shipped recipes (the design card's, e.g. for the Llama 3.1 recipes), each
-    declared by its recipe file as a top-level `aliases = [...]` -> the recipe's stem."""
-    out = {}
-    for path in sorted(recipes_dir().glob("*.toml")):
-        with open(path, "rb") as fh:
-            for alias in tomllib.load(fh).get("aliases", []):
-                out[alias] = path.stem
-    return out
 
 
 def available_recipes() -> dict[str, str]:
