@@ -22,6 +22,7 @@ import torch
 import torch.multiprocessing as mp
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from trainlib import compat
 from trainlib.launch import train_command
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,8 +161,8 @@ def gloo_schedules() -> list[str]:
     zero-bubble schedules with the chunked loss (trainlib.parallel.pp)."""
     from trainlib.parallel import pp
 
-    return [s for s in pp.SCHEDULES if (pp.V_SCHEDULES_ON_GLOO or s not in pp.V_SCHEDULES)
-            and (pp.ZERO_BUBBLE_WITH_CHUNKED_LOSS or s not in pp.ZERO_BUBBLE_SCHEDULES)]
+    return [s for s in pp.SCHEDULES if (compat.V_SCHEDULES_ON_GLOO or s not in pp.V_SCHEDULES)
+            and (compat.ZERO_BUBBLE_WITH_CHUNKED_LOSS or s not in pp.ZERO_BUBBLE_SCHEDULES)]
 
 
 def _entry(rank, fn, world, store_path, err_dir, args):

@@ -150,17 +150,12 @@ def round_like_eager_under_compile(cfg: Float8Config, compiled: bool) -> bool:
     return True
 
 
-# torch 2.11's CPU torch._scaled_mm takes one scale per tensor only (an
-# internal assert at the first rowwise matmul, measured); 2.13's takes row
-# scales. A rule of the machine (trainlib.config.validate.validate_machine),
-# not of the build: the planner builds every job on the CPU.
-CPU_ROWWISE_MATMULS = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 
 
 def check_float8_hardware(cfg: Float8Config, device: torch.device) -> None:
     """Refuse early, in one line, where float8 matmuls cannot run."""
     if not cfg.enable or cfg.emulate or device.type != "cuda":
-        return  # CPU: see CPU_ROWWISE_MATMULS (validate_machine); emulation runs anywhere
+        return  # CPU: see compat.CPU_ROWWISE_MATMULS (validate_machine); emulation runs anywhere
     cap = torch.cuda.get_device_capability(device)
     if cap < (8, 9):
         raise ConfigError(

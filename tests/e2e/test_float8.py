@@ -11,7 +11,7 @@ import itertools
 import pytest
 
 from tests.helpers import RECIPES
-from trainlib.float8 import CPU_ROWWISE_MATMULS
+from trainlib.compat import CPU_ROWWISE_MATMULS
 from trainlib.models.llama3 import get_model_args
 from trainlib.parity import run_parity
 

@@ -8,6 +8,7 @@ import torch
 
 from tests.gpu.test_float8_ac_compile import grads
 from tests.helpers import needs_cxx_compiler
+from trainlib import compat
 from trainlib import float8 as float8_lib
 from trainlib.float8 import (
     Float8Config,
@@ -83,7 +84,7 @@ def test_rowwise_on_a_cpu_torch_without_row_scaled_matmuls_is_refused(monkeypatc
         return load_job_config(None, ["--float8.enable=true", f"--float8.recipe={recipe}", *extra])
 
     cpu = torch.device("cpu")
-    monkeypatch.setattr(float8_lib, "CPU_ROWWISE_MATMULS", False)  # torch 2.11
+    monkeypatch.setattr(compat, "CPU_ROWWISE_MATMULS", False)  # torch 2.11
     with pytest.raises(ValueError, match=rf"float8.recipe '{recipe}'.*float8.emulate=true"):
         validate_machine(job(), cpu)
     validate_machine(job("--float8.emulate=true"), cpu)
@@ -91,7 +92,7 @@ def test_rowwise_on_a_cpu_torch_without_row_scaled_matmuls_is_refused(monkeypatc
     validate_machine(job(), torch.device("cuda"))  # a rule of the CPU's matmul only
     # The planner builds on the CPU whatever machine it plans for: no refusal there.
     assert make_plan(None, 1, overrides=["float8.enable=true", f"float8.recipe={recipe}", "float8.min_size=0"])
-    monkeypatch.setattr(float8_lib, "CPU_ROWWISE_MATMULS", True)
+    monkeypatch.setattr(compat, "CPU_ROWWISE_MATMULS", True)
     validate_machine(job(), cpu)
 
 
@@ -99,7 +100,7 @@ def test_cpu_rowwise_flag_tells_the_truth_about_this_torch():
     model = torch.nn.Sequential(torch.nn.Linear(32, 32))
     convert_float8(model, Float8Config(enable=True, recipe="rowwise", min_size=0), fsdp=False, output_module="output")
     x = torch.randn(16, 32)
-    if float8_lib.CPU_ROWWISE_MATMULS:
+    if compat.CPU_ROWWISE_MATMULS:
         assert torch.isfinite(model(x)).all()
     else:
         with pytest.raises(RuntimeError, match="per-tensor scaling"):
@@ -227,7 +228,7 @@ def test_rowwise_under_compile_makes_inductor_round_like_eager(caplog, recipe, c
 
 @pytest.mark.slow  # ~45 s of compiling on 2 cores with a cold inductor cache (9 s warm)
 @needs_cxx_compiler
-@pytest.mark.skipif(not float8_lib.CPU_ROWWISE_MATMULS, reason="rowwise float8 matmuls on CPU need torch >= 2.13")
+@pytest.mark.skipif(not compat.CPU_ROWWISE_MATMULS, reason="rowwise float8 matmuls on CPU need torch >= 2.13")
 def test_rounding_setting_makes_compiled_rowwise_compute_what_eager_computes():
     """What round_like_eager_under_compile is there for, seen on CPU (inductor's
     C++ kernels): a rowwise float8 block compiled under selective_op

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.helpers import RECIPES
+from trainlib import compat
 from trainlib.config import ConfigError, load_job_config
 from trainlib.config.validate import validate_job, validate_machine
 from trainlib.models.llama3 import Transformer, get_model_args
@@ -115,8 +116,8 @@ def test_v_schedules_on_gloo_refused_before_torch_2_13(monkeypatch, schedule):
     own rank): refused at setup there, in one line; allowed on NCCL."""
     args = ["--parallelism.dp_shard=1", "--parallelism.pp=2", f"--parallelism.pp_schedule={schedule}"]
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
-    monkeypatch.setattr(pp_lib, "ZERO_BUBBLE_WITH_CHUNKED_LOSS", True)  # not the rule under test
-    monkeypatch.setattr(pp_lib, "V_SCHEDULES_ON_GLOO", False)
+    monkeypatch.setattr(compat, "ZERO_BUBBLE_WITH_CHUNKED_LOSS", True)  # not the rule under test
+    monkeypatch.setattr(compat, "V_SCHEDULES_ON_GLOO", False)
     cfg, _ = _validate(2, *args)  # a rule of the machine, not of the job: the planner plans it anywhere
     with pytest.raises(ConfigError, match="sends to its own rank, which gloo cannot do; use torch >= 2.13"):
         validate_machine(cfg, cpu)
@@ -124,7 +125,7 @@ def test_v_schedules_on_gloo_refused_before_torch_2_13(monkeypatch, schedule):
         validate_machine(load_job_config(DEBUG, [*args, "--comm.backend=gloo"]), cuda)
     validate_machine(cfg, cuda)  # NCCL
     validate_machine(load_job_config(DEBUG, [*args[:2], "--parallelism.pp_schedule=Interleaved1F1B"]), cpu)
-    monkeypatch.setattr(pp_lib, "V_SCHEDULES_ON_GLOO", True)
+    monkeypatch.setattr(compat, "V_SCHEDULES_ON_GLOO", True)
     validate_machine(cfg, cpu)
 
 
@@ -132,14 +133,14 @@ def test_v_schedules_on_gloo_refused_before_torch_2_13(monkeypatch, schedule):
 def test_zero_bubble_with_chunked_loss_refused_before_torch_2_13(monkeypatch, schedule):
     """torch 2.11's zero-bubble input pass fails on the chunked loss's autograd
     Function: refused there in one line (whatever the backend), allowed unchunked."""
-    monkeypatch.setattr(pp_lib, "V_SCHEDULES_ON_GLOO", True)  # not the rule under test
-    monkeypatch.setattr(pp_lib, "ZERO_BUBBLE_WITH_CHUNKED_LOSS", False)
+    monkeypatch.setattr(compat, "V_SCHEDULES_ON_GLOO", True)  # not the rule under test
+    monkeypatch.setattr(compat, "ZERO_BUBBLE_WITH_CHUNKED_LOSS", False)
     args = ["--parallelism.dp_shard=1", "--parallelism.pp=2", f"--parallelism.pp_schedule={schedule}"]
     for device in ("cpu", "cuda"):
         with pytest.raises(ConfigError, match="input pass fails on the chunked loss.*loss.chunked = false"):
             validate_machine(load_job_config(DEBUG, args), torch.device(device))
         validate_machine(load_job_config(DEBUG, [*args, "--loss.chunked=false"]), torch.device(device))
-    monkeypatch.setattr(pp_lib, "ZERO_BUBBLE_WITH_CHUNKED_LOSS", True)
+    monkeypatch.setattr(compat, "ZERO_BUBBLE_WITH_CHUNKED_LOSS", True)
     validate_machine(load_job_config(DEBUG, args), torch.device("cpu"))
 
 

@@ -56,6 +56,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
+from trainlib import compat
 from trainlib.checkpoint.convert import dcp_to_hf
 from trainlib.checkpoint.hf import checkpoint_format, load_hf_into_model, load_meta_into_model
 from trainlib.checkpoint.state import ModelState, TrainState, nonfinite_entries
@@ -64,10 +65,6 @@ from trainlib.errors import ConfigError, TrainingStopped
 
 logger = logging.getLogger("trainlib")
 
-# torch 2.11's DefaultStager empties its deep-copy table at the end of every
-# stage, so its second save fails (KeyError: <class 'type'>, measured); 2.13's
-# keeps it, and with it the pinned buffers a reused stager copies into.
-_STAGER_REUSABLE = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
@@ -450,7 +447,7 @@ class Checkpointer:
                 # Python work is not slowed by the GIL; staging copies to pinned
                 # host memory on CUDA (not available on CPU-only hosts).
                 kind = AsyncCheckpointerType.PROCESS
-                if self._stager is not None and not _STAGER_REUSABLE:
+                if self._stager is not None and not compat.STAGER_REUSABLE:
                     self._stager.close()
                     self._stager = None
                 if self._stager is None:

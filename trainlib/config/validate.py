@@ -12,7 +12,7 @@ import inspect
 
 import torch
 
-from trainlib import float8 as float8_lib
+from trainlib import compat
 from trainlib.config.job import JobConfig
 from trainlib.config.loader import ConfigError
 from trainlib.models.registry import get_model_spec
@@ -84,7 +84,7 @@ def validate_machine(cfg: JobConfig, device: torch.device) -> None:
                           f"{device.type}: set profiling.enable_memory_snapshot = false")
     f8 = cfg.float8
     if (f8.enable and not f8.emulate and f8.recipe != "tensorwise" and device.type == "cpu"
-            and not float8_lib.CPU_ROWWISE_MATMULS):
+            and not compat.CPU_ROWWISE_MATMULS):
         raise ConfigError(
             f"float8.recipe '{f8.recipe}' needs row-scaled float8 matmuls, which torch {torch.__version__} does "
             f"not have on CPU (torch >= 2.13 does); set float8.emulate=true to test its numerics, use "
@@ -93,13 +93,13 @@ def validate_machine(cfg: JobConfig, device: torch.device) -> None:
     from trainlib.parallel import pp as pp_lib
 
     sched = cfg.parallelism.pp_schedule
-    if (cfg.parallelism.pp > 1 and sched in pp_lib.V_SCHEDULES and not pp_lib.V_SCHEDULES_ON_GLOO
+    if (cfg.parallelism.pp > 1 and sched in pp_lib.V_SCHEDULES and not compat.V_SCHEDULES_ON_GLOO
             and resolve_backend(cfg.comm.backend, device) == "gloo"):
         raise ConfigError(f"parallelism.pp_schedule '{sched}' puts two adjacent stages on one rank, and torch "
                           f"{torch.__version__}'s pipelining then sends to its own rank, which gloo cannot do; "
                           f"use torch >= 2.13, comm.backend = 'nccl', or another schedule (e.g. Interleaved1F1B)")
     if (cfg.parallelism.pp > 1 and sched in pp_lib.ZERO_BUBBLE_SCHEDULES and cfg.loss.chunked
-            and not pp_lib.ZERO_BUBBLE_WITH_CHUNKED_LOSS):
+            and not compat.ZERO_BUBBLE_WITH_CHUNKED_LOSS):
         raise ConfigError(f"parallelism.pp_schedule '{sched}' splits backward into input and weight passes, and "
                           f"torch {torch.__version__}'s input pass fails on the chunked loss (a custom autograd "
                           f"Function); use torch >= 2.13, set loss.chunked = false, or use a schedule without the "

@@ -51,18 +51,6 @@ SCHEDULES = {
 }
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
-# Two faults of torch 2.11's pipelining (measured there on CPU) that torch 2.13 does not have.
-_TORCH_2_13 = torch.torch_version.TorchVersion(torch.__version__) >= "2.13"
-# Before torch 2.13 a schedule's first step sends every stage's neighbours a
-# tensor, also when both stages are on one rank (the V placements); gloo cannot
-# send to its own rank ("Pair is not connected", measured on torch 2.11). torch
-# 2.13 warms up without those sends. NCCL sends to itself.
-V_SCHEDULES_ON_GLOO = _TORCH_2_13
-# Before torch 2.13 the zero-bubble schedules' input-gradient pass reads
-# `_input_metadata` of every autograd node and fails on a custom
-# autograd.Function's node, such as the chunked loss's (measured on torch 2.11:
-# "Attribute '_input_metadata' is invalid"). torch 2.13 handles them.
-ZERO_BUBBLE_WITH_CHUNKED_LOSS = _TORCH_2_13
 # These split backward into input-grad and weight-grad passes run at different
 # times. Measured on torch 2.13: combined with FSDP reshard_after_forward=True
 # they train silently wrong from step 2, so that combination is refused.

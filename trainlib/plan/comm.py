@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
+from trainlib import compat
 from trainlib.hardware import GPU
 from trainlib.plan.hardware import link_bytes_per_second
 from trainlib.plan.memory import StepShape
@@ -13,10 +12,6 @@ AXIS_OF = {"fsdp_all_gather": "fsdp", "fsdp_reduce_scatter": "fsdp",
            "dp_replicate_all_reduce": "dp_replicate", "tp": "tp", "tp_grad_all_reduce": "tp", "pp_p2p": "pp",
            "cp_kv": "cp"}
 
-# From torch 2.15 FSDP has autograd make each unsharded gradient in reduce_dtype and resolves the pending
-# sums TP leaves on the sequence-parallel norms' gradients when it reduces the gradient; before, it resolved
-# them in the compute dtype in every micro-batch's post-backward.
-_FSDP_GRADS_IN_REDUCE_DTYPE = torch.torch_version.TorchVersion(torch.__version__) >= "2.15"
 
 
 def ring_bytes(n: int, payload: float) -> float:
@@ -56,7 +51,7 @@ def comm_bytes(s: StepShape, *, fsdp_degree: int, dp_replicate: int, grad_accum:
         if s.sp:
             if not s.fsdp:
                 reduces, elem = 1, s.elem
-            elif _FSDP_GRADS_IN_REDUCE_DTYPE:  # with FSDP's own reduction: per micro-step, once a step under PP
+            elif compat.FSDP_GRADS_IN_REDUCE_DTYPE:  # with FSDP's own reduction: per micro-step, once a step under PP
                 reduces, elem = micro_steps, s.reduce_elem
             else:  # in every micro-batch's post-backward, gradient sync or not
                 reduces, elem = mbs_per_step, s.elem
