@@ -22,6 +22,7 @@ from trainlib.float8 import (check_float8_hardware, convert_float8, filter_patte
                              round_like_eager_under_compile)
 from trainlib.loss import chunked_cross_entropy_sum, cross_entropy_sum, resolve_chunk_tokens
 from trainlib.models import count_params
+from trainlib.models.moe import moe_layers
 from trainlib.models.registry import get_model_spec, model_args
 from trainlib.parallel.compile import maybe_compile_loss
 from trainlib.parallel.mixed_precision import autocast_dtype, fsdp_wraps
@@ -63,6 +64,9 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelPar
     with torch.device("meta"):
         model = spec.model_cls(args, rope_len=t.seq_len)
     n_params = count_params(model)
+    moe = moe_layers([model])
+    for block in moe.values():
+        block.configure(cfg.moe)
     autocast = autocast_dtype(dims, t.param_dtype, t.mixed_precision_impl, cfg.parallelism.fsdp_cpu_offload)
     param_dtype = torch.float32 if autocast else t.param_dtype  # under autocast the weights stay fp32
     check_float8_hardware(cfg.float8, device)
@@ -98,7 +102,8 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelPar
     par = cfg.parallelism
     runner = StepRunner(parts, pipeline, loss_fn, dims, device, autocast_dtype=autocast,
                         cp_load_balance=par.cp_load_balance, document_mask=cfg.model.attn_mask == "document",
-                        loss_parallel=par.tp_loss_parallel)
+                        loss_parallel=par.tp_loss_parallel,
+                        moe_experts={i: block.args.n_experts for i, block in moe.items()})
     if cfg.float8.enable:  # the next step's float8 scales, where FSDP gathers float8 weights
         runner.add_after_optimizer_step(partial(float8_post_optimizer_step, parts, cfg.float8))
     return ModelParts(parts, pipeline, args, n_params, loss_fn, autocast, chunk_tokens, copies, runner)
@@ -131,5 +136,12 @@ def describe_choices(cfg, built: ModelParts, optimizer_impl: str) -> str:
         ("compile blocks" + (" + loss" if cfg.compile.loss else "")) if cfg.compile.enable else "eager",
         f"float8 {cfg.float8.recipe}" if cfg.float8.enable else "no float8",
     ]
+    if built.runner is not None and built.runner.moe_experts:
+        m = cfg.moe
+        balance = [f"bias (rate {m.bias_update_rate:g})" if m.load_balance == "bias" else "no bias"]
+        balance += [f"{k} {getattr(m, k):g}" for k in ("seq_aux_loss_coef", "z_loss_coef") if getattr(m, k)]
+        parts.append(f"MoE {len(built.runner.moe_experts)} layers, " + ", ".join(balance) + ", " +
+                     (f"capacity {m.capacity_factor:g} (drops depend on the micro-batch and the layout)"
+                      if m.capacity_factor else "dropless"))
     return "chosen: " + " | ".join(parts)
 

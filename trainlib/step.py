@@ -24,8 +24,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from trainlib.models.moe import MoE, aux_loss_scale, moe_layers
 from trainlib.parallel.cp import local_micro_batches
 from trainlib.parallel.parallel_dims import ParallelDims
 from trainlib.parallel.pp import Pipeline
@@ -44,7 +46,16 @@ class StepRunner:
     cp_load_balance: bool = True
     document_mask: bool = False  # model.attn_mask = "document": doc ids from the whole windows
     loss_parallel: bool = True  # parallelism.tp_loss_parallel (under TP: the loss runs on vocab shards)
+    # the whole model's MoE blocks, layer index -> n_experts (every pipeline stage's runner holds all of them)
+    moe_experts: dict[int, int] = field(default_factory=dict)
     _after_step: list[Callable[[], None]] = field(default_factory=list, repr=False)
+    _moe: dict[int, MoE] = field(default_factory=dict, repr=False)  # this rank's MoE blocks by layer index
+    _moe_counts: torch.Tensor | None = field(default=None, repr=False)  # the last step's global counts
+
+    def __post_init__(self) -> None:
+        self._moe = moe_layers(self.parts)
+        if self.moe_experts:
+            self.add_after_optimizer_step(self._update_expert_bias)
 
     def local(self, micro_batches: list[dict]) -> list[dict]:
         """The micro-batches as this rank feeds them to the model: document ids, then its CP chunks."""
@@ -56,20 +67,56 @@ class StepRunner:
         batch's target tokens); returns (this rank's share of the global mean loss: summing it over dp_cp,
         and pp, gives the loss; the auxiliary dict)."""
         micro_batches = self.local(micro_batches)
-        with self._loss_context():
+        self._take_moe_stats()  # what an evaluation routed since the last step is not this step's
+        with self._loss_context(), aux_loss_scale(1.0 / n_targets):  # MoE auxiliary losses weigh like tokens
             if self.pipeline is not None:
-                return self.pipeline.step(micro_batches, n_targets, self.device), {}
-            (model,) = self.parts
-            loss_sum = torch.zeros((), device=self.device)
-            for mb in micro_batches:
-                # Autocast's weight cache would hold a bf16 copy of every weight until the loss; each is used once.
-                with self._autocast(cache_enabled=False):
-                    out = model(mb["input"].to(self.device), doc_ids=mb.get("doc_ids"))  # hidden states if chunked
-                    loss = self.loss_fn(out, mb["labels"].to(self.device)) / n_targets
-                del out  # free the largest activation before backward allocates
-                loss.backward()
-                loss_sum += loss.detach()
-        return loss_sum, {}
+                loss_sum = self.pipeline.step(micro_batches, n_targets, self.device)
+            else:
+                (model,) = self.parts
+                loss_sum = torch.zeros((), device=self.device)
+                for mb in micro_batches:
+                    # Autocast's weight cache would hold a bf16 copy of every weight until the loss; each is used once.
+                    with self._autocast(cache_enabled=False):
+                        out = model(mb["input"].to(self.device), doc_ids=mb.get("doc_ids"))  # hidden states if chunked
+                        loss = self.loss_fn(out, mb["labels"].to(self.device)) / n_targets
+                    del out  # free the largest activation before backward allocates
+                    loss.backward()
+                    loss_sum += loss.detach()
+        return loss_sum, self._moe_aux()
+
+    def _take_moe_stats(self) -> torch.Tensor | None:
+        """Every MoE layer's routing statistics since the last call, as one [n_layers, E + 4] tensor
+        (MoE.take_stats's rows; zero rows for layers not on this rank), summed over all ranks: the
+        global batch's. Every rank calls it (one all-reduce over the world)."""
+        if not self.moe_experts:  # a dense model; else every rank, MoE layers or not, joins the all-reduce
+            return None
+        n_layers = 1 + max(self.moe_experts)
+        width = max(self.moe_experts.values()) + 4
+        stats = torch.zeros(n_layers, width, device=self.device)
+        for i, m in self._moe.items():
+            row = m.take_stats()
+            stats[i, :m.args.n_experts], stats[i, -4:] = row[:-4], row[-4:]
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            # one all-reduce over every rank: pipeline stages hold disjoint layers (zero rows elsewhere),
+            # data and context ranks disjoint tokens; tensor-parallel ranks route the same tokens
+            stats = stats.reshape(-1).contiguous()
+            dist.all_reduce(stats)
+            stats = stats.view(n_layers, width) / self.dims.tp
+        return stats
+
+    def _moe_aux(self) -> dict:
+        """The step's MoE values (device tensors; `aux_fields` reads them on the host at log steps)."""
+        stats = self._take_moe_stats()
+        if stats is None:
+            return {}
+        self._moe_counts = stats
+        return {"moe_stats": stats, "moe_experts": self.moe_experts}
+
+    def _update_expert_bias(self) -> None:
+        if self._moe_counts is not None:
+            for i, m in self._moe.items():
+                m.update_bias(self._moe_counts[i, :m.args.n_experts])
+            self._moe_counts = None
 
     @torch.no_grad()
     def evaluate(self, micro_batches: list[dict]) -> tuple[torch.Tensor, dict]:
@@ -99,3 +146,20 @@ class StepRunner:
         if self.autocast_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, self.autocast_dtype, **kwargs)
+
+
+def aux_fields(aux: dict) -> dict:
+    """A step's auxiliary dict as metrics.jsonl fields (host values; call at log steps only). MoE:
+    `moe_aux_loss` and `moe_z_loss` (the terms added to the objective, summed over layers), and per MoE
+    layer (keyed by layer index) `moe_load_imbalance` (max tokens per expert / mean) and
+    `moe_dropped_tokens` (assignments over capacity)."""
+    if "moe_stats" not in aux:
+        return {}
+    stats, experts = aux["moe_stats"].double().cpu(), aux["moe_experts"]
+    imbalance, dropped = {}, {}
+    for i, n in sorted(experts.items()):
+        counts = stats[i, :n]
+        imbalance[str(i)] = float(counts.max() / counts.mean()) if counts.sum() > 0 else 0.0
+        dropped[str(i)] = int(round(float(stats[i, -4])))
+    return {"moe_aux_loss": float(stats[:, -2].sum()), "moe_z_loss": float(stats[:, -1].sum()),
+            "moe_load_imbalance": imbalance, "moe_dropped_tokens": dropped}

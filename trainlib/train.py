@@ -40,7 +40,7 @@ from trainlib.optim import build_lr_scheduler, build_optimizer, implementation_o
 from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
 from trainlib.profiling import GarbageCollection, Profiler
 from trainlib.resilience import RunLock, StepMonitor
-from trainlib.step import StepRunner
+from trainlib.step import StepRunner, aux_fields
 from trainlib.validation import Validator, build_validator
 
 logger = logging.getLogger("trainlib")
@@ -198,7 +198,7 @@ def train_loop(job: Job) -> list[dict]:
         n_targets = sum(count_targets(mb["labels"]) for mb in micro_batches).to(device, torch.float32)
         dist.all_reduce(n_targets, group=dp_group)
 
-        loss_share, _aux = forward_backward(job, micro_batches, n_targets)  # aux: none from dense families
+        loss_share, aux = forward_backward(job, micro_batches, n_targets)  # aux: an MoE's routing values
         loss = job.dims.sum_loss(loss_share)
         grad_norm = clip_grad_norm_([p for m in job.model_parts for p in m.parameters()], t.max_norm, pp_mesh,
                                     optimizer=job.optimizer)
@@ -216,7 +216,8 @@ def train_loop(job: Job) -> list[dict]:
             val = job.validator.maybe_run(step, t.steps)
         log = bool(val) or job.metrics.should_log(step, t.steps)
         if log or preempted or job.guard.event_known or job.checkpointer.due(step, t.steps):  # never save unjudged steps
-            at_step = {**(val or {}), **(job.monitor.spread() if log else {})}  # + slowest/fastest rank's step time
+            # + slowest/fastest rank's step time, MoE load and auxiliary losses
+            at_step = {**(val or {}), **(job.monitor.spread() if log else {}), **(aux_fields(aux) if log else {})}
             logged, rolled_back_to = job.guard.settle(step, log, job.metrics, job.checkpointer, at_step=at_step,
                                                       tokens_seen_per_dataset=job.loader.tokens_seen_per_dataset())
             records += logged

@@ -17,6 +17,7 @@ from trainlib.metrics import MetricsConfig
 from trainlib.float8 import Float8Config
 from trainlib.guard import GuardConfig
 from trainlib.loss import LossConfig
+from trainlib.models.moe import MoEConfig
 from trainlib.models.registry import DEFAULT_MODEL, MODELS, model_args
 from trainlib.optim import LRSchedulerConfig, OptimizerConfig
 from trainlib.parallel.ac import ActivationCheckpointConfig
@@ -113,6 +114,7 @@ class TrainingConfig(GuardConfig):
 class JobConfig:
     job: JobSection = field(default_factory=JobSection)
     model: ModelConfig = field(default_factory=ModelConfig)
+    moe: MoEConfig = field(default_factory=MoEConfig)
     tokenizer: TokenizerConfig = field(default_factory=TokenizerConfig)
     data: DataConfig = field(default_factory=DataConfig)
     training: TrainingConfig = field(default_factory=TrainingConfig)

@@ -1,0 +1,194 @@
+"""The MoE block (trainlib.models.moe) on one process: routing, the grouped matmul against the reference loop,
+capacity, the load-balance losses' gradients, the bias update, counting under activation checkpointing."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+from trainlib.errors import ConfigError
+from trainlib.models.moe import MoE, MoEArgs, MoEConfig, aux_loss_scale, moe_layers
+from trainlib.step import aux_fields
+
+DIM = 16
+
+
+def _moe(seed=0, cfg=None, **kw) -> MoE:
+    args = dict(n_experts=8, top_k=2, expert_dim=12) | kw
+    torch.manual_seed(seed)
+    m = MoE(DIM, MoEArgs(**args))
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    m.init_buffers()
+    m.configure(cfg or MoEConfig())
+    return m
+
+
+def _x(b=3, s=10, seed=1):
+    return torch.randn(b, s, DIM, generator=torch.Generator().manual_seed(seed))
+
+
+@pytest.mark.parametrize("kw,cfg", [
+    ({}, {}),
+    ({"score_func": "sigmoid", "n_groups": 4, "topk_groups": 2, "n_shared_experts": 1, "route_scale": 2.5}, {}),
+    ({"route_norm": False}, {"capacity_factor": 0.5}),
+    ({}, {"seq_aux_loss_coef": 0.1, "z_loss_coef": 0.01}),
+])
+def test_grouped_matmul_matches_the_reference_loop(kw, cfg):
+    """Forward and every gradient within 1e-6 in fp32 (the issue's bound), routing options included."""
+    outs = []
+    for grouped in (True, False):
+        m = _moe(**kw, cfg=MoEConfig(**cfg, grouped_mm=grouped))
+        x = _x().requires_grad_()
+        with aux_loss_scale(1 / 30):
+            y = m(x)
+        (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        outs.append([y.detach(), x.grad] + [p.grad for p in m.parameters()])
+    for a, b in zip(*outs):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+
+
+def test_routing_softmax_topk_renormalised_as_written():
+    """What a Qwen3-MoE checkpoint was trained with: softmax over the fp32 gate, top-k, weights renormalised."""
+    m = _moe()
+    x = _x(1, 6)
+    logits = x.reshape(-1, DIM) @ m.router.gate.weight.T
+    probs = logits.softmax(-1)
+    w, idx = probs.topk(2, dim=-1)
+    w = w / w.sum(-1, keepdim=True)
+    got_idx, got_w, _, _ = m.router(x.reshape(-1, DIM))
+    assert torch.equal(got_idx, idx)
+    torch.testing.assert_close(got_w, w)
+    # and the block's output is the weighted sum of the chosen experts' SwiGLU outputs
+    e = m.experts
+    xf = x.reshape(-1, DIM)
+    want = torch.stack([sum(w[t, j] * (F.silu(xf[t] @ e.w1[idx[t, j]].T) * (xf[t] @ e.w3[idx[t, j]].T))
+                            @ e.w2[idx[t, j]].T for j in range(2)) for t in range(6)])
+    torch.testing.assert_close(m(x).reshape(6, DIM), want, rtol=1e-5, atol=1e-6)
+
+
+def test_bias_steers_selection_not_weights():
+    m = _moe()
+    xf = _x(1, 6).reshape(-1, DIM)
+    _, _, scores, _ = m.router(xf)
+    bias = torch.zeros(8)
+    bias[5] = 100.0  # every token picks expert 5
+    idx, w, _, _ = m.router(xf, bias)
+    assert (idx == 5).any(-1).all()
+    chosen = scores.gather(1, idx)
+    torch.testing.assert_close(w, chosen / chosen.sum(-1, keepdim=True))  # the bias is not in the weights
+
+
+def test_group_limited_routing_stays_in_the_best_groups():
+    m = _moe(score_func="sigmoid", n_groups=4, topk_groups=1)
+    xf = _x(2, 10).reshape(-1, DIM)
+    idx, _, scores, _ = m.router(xf)
+    best_group = scores.view(-1, 4, 2).amax(-1).argmax(-1)
+    assert torch.equal(idx // 2, best_group[:, None].expand_as(idx))
+
+
+def test_capacity_keeps_each_experts_highest_weighted_assignments_and_counts_the_rest():
+    m = _moe(cfg=MoEConfig(capacity_factor=0.5))
+    x = _x(2, 12)
+    xf = x.reshape(-1, DIM)
+    idx, w, _, _ = m.router(xf, m.expert_bias)
+    cap = math.ceil(0.5 * idx.numel() / 8)
+    counts = torch.bincount(idx.reshape(-1), minlength=8)
+    assert counts.max() > cap  # the test drops something
+    y = m(x).reshape(-1, DIM)
+    stats = m.take_stats()
+    assert stats[8] == (counts - counts.clamp(max=cap)).sum() and stats[9] == idx.numel()
+    # the same block without capacity, given only the kept assignments, gives the same output
+    keep = torch.zeros_like(w, dtype=torch.bool)
+    for e in range(8):
+        pos = (idx == e).nonzero()
+        order = w[pos[:, 0], pos[:, 1]].argsort(descending=True, stable=True)[:cap]
+        keep[pos[order, 0], pos[order, 1]] = True
+    e = m.experts
+    want = torch.stack([sum((w[t, j] * (F.silu(xf[t] @ e.w1[idx[t, j]].T) * (xf[t] @ e.w3[idx[t, j]].T))
+                             @ e.w2[idx[t, j]].T) for j in range(2) if keep[t, j]) if keep[t].any()
+                        else torch.zeros(DIM) for t in range(24)])
+    torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
+
+
+def _explicit_aux(m: MoE, x: torch.Tensor, scale: float) -> torch.Tensor:
+    """The two losses written out: sequence-wise balance and z-loss, each token weighted by `scale`."""
+    b, s, _ = x.shape
+    idx, _, scores, logits = m.router(x.reshape(-1, DIM), m.expert_bias)
+    idx, scores = idx.view(b, s, -1), scores.view(b, s, -1)
+    seq = 0
+    for i in range(b):
+        c = torch.bincount(idx[i].reshape(-1), minlength=8).float()
+        p = (scores[i] / scores[i].sum(-1, keepdim=True)).mean(0)
+        seq = seq + (8 / (s * 2) * c * p).sum() * s
+    z = torch.logsumexp(logits, -1).square().sum()
+    return (m.cfg.seq_aux_loss_coef * seq + m.cfg.z_loss_coef * z) * scale
+
+
+def test_aux_losses_reach_the_router_as_if_added_to_the_loss():
+    cfg = MoEConfig(seq_aux_loss_coef=0.5, z_loss_coef=0.05)
+    x = _x()
+    got = _moe(cfg=cfg)
+    with aux_loss_scale(1 / 30):
+        got(x).sum().backward()
+    want = _moe(cfg=cfg)
+    (want(x).sum() + _explicit_aux(want, x, 1 / 30)).backward()  # outside the scale: no injected loss
+    assert want.router.gate.weight.grad.abs().max() > 0
+    torch.testing.assert_close(got.router.gate.weight.grad, want.router.gate.weight.grad, rtol=1e-5, atol=1e-6)
+    plain = _moe(cfg=cfg)
+    plain(x).sum().backward()
+    assert not torch.allclose(plain.router.gate.weight.grad, got.router.gate.weight.grad, rtol=1e-3)
+    stats = got.take_stats()  # the terms as added, for the metrics
+    torch.testing.assert_close(stats[10] + stats[11], _explicit_aux(want, x, 1 / 30).detach())
+
+
+def test_bias_update_moves_towards_underloaded_experts_and_stays_centred():
+    m = _moe()
+    counts = torch.tensor([10.0, 0, 5, 5, 5, 5, 5, 5])  # mean 5
+    m.update_bias(counts)
+    delta = torch.tensor([-1.0, 1, 0, 0, 0, 0, 0, 0])
+    torch.testing.assert_close(m.expert_bias, 1e-3 * (delta - delta.mean()))
+    m.configure(MoEConfig(load_balance="none"))
+    before = m.expert_bias.clone()
+    m.update_bias(counts)
+    assert torch.equal(m.expert_bias, before)
+    assert "expert_bias" in m.state_dict() and "tokens_per_expert" not in m.state_dict()
+
+
+def test_counts_once_under_activation_checkpointing():
+    """The recompute in backward routes the same tokens again; counting them twice would double every
+    count and the seq-aux values, and double the gradient of nothing: the counts must equal a plain run's."""
+    cfg = MoEConfig(seq_aux_loss_coef=0.5)
+    x = _x()
+    plain, ac = _moe(cfg=cfg), _moe(cfg=cfg)
+    with aux_loss_scale(1 / 30):
+        plain(x).sum().backward()
+        checkpoint(ac, x, use_reentrant=False).sum().backward()
+    torch.testing.assert_close(ac.router.gate.weight.grad, plain.router.gate.weight.grad)
+    assert torch.equal(ac.take_stats(), plain.take_stats())
+
+
+def test_aux_fields_and_layer_lookup():
+    model = torch.nn.Module()
+    model.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(2, 2), "3": torch.nn.Module()})
+    model.layers["3"].moe = _moe()
+    assert list(moe_layers([model])) == [3]
+    stats = torch.zeros(4, 12)
+    stats[3, :8] = torch.tensor([4.0, 0, 0, 0, 0, 0, 0, 4])  # mean 1, max 4
+    stats[3, 8:] = torch.tensor([3, 8, 0.25, 0.5])
+    fields = aux_fields({"moe_stats": stats, "moe_experts": {3: 8}})
+    assert fields == {"moe_aux_loss": 0.25, "moe_z_loss": 0.5, "moe_load_imbalance": {"3": 4.0},
+                      "moe_dropped_tokens": {"3": 3}}
+
+
+def test_bad_moe_settings_are_config_errors():
+    with pytest.raises(ConfigError, match="top_k"):
+        MoEArgs(n_experts=4, top_k=5, expert_dim=8).validate()
+    with pytest.raises(ConfigError, match="n_groups"):
+        MoEArgs(n_experts=6, top_k=2, expert_dim=8, n_groups=4).validate()
+    with pytest.raises(ConfigError, match="moe.capacity_factor"):
+        MoEConfig(capacity_factor=-1)
+    with pytest.raises(ConfigError, match="load_balance"):
+        MoEConfig(load_balance="aux")

@@ -1,0 +1,376 @@
+"""A Mixture-of-Experts feed-forward block any family can use, as plain single-device PyTorch.
+
+`MoE(dim, args)` replaces a block's gated MLP: a router picks `top_k` of
+`n_experts` SwiGLU experts per token, the experts run as one grouped matmul
+over the tokens sorted by expert, and optional shared experts see every token.
+
+Routing (`Router`): the gate is computed in fp32 whatever the compute dtype.
+Scores are a softmax or a sigmoid of the gate's logits. Selection ranks
+`scores + expert_bias` (the auxiliary-loss-free balance: the bias steers
+which experts are picked, never how much their outputs weigh), optionally
+limited to the `topk_groups` best of `n_groups` expert groups (a group ranks
+by its best expert's score). The chosen experts' scores, renormalised to sum
+to 1 when `route_norm`, times `route_scale`, weigh their outputs.
+
+Load balance (each optional, set by the `[moe]` recipe section, `MoEConfig`):
+- the expert bias: after every optimizer step each layer's bias moves by
+  `bias_update_rate` towards the experts that got fewer than the mean tokens
+  (sign of mean - count, then centred), from the global batch's counts, so it
+  is the same under gradient accumulation, pipeline and every data layout;
+- a sequence-wise auxiliary loss: per sequence, E / (s * k) * sum_i c_i * P_i
+  (c_i tokens routed to expert i, P_i the mean normalised score of expert i
+  over the sequence's s tokens), times `seq_aux_loss_coef`;
+- a router z-loss: the mean over tokens of logsumexp(logits)^2, times
+  `z_loss_coef`.
+The two losses reach the gradients without passing through the training loss
+(`_AddAuxiliaryLoss`): each token's share is weighted like its language-model
+loss, by 1 / (the global batch's target tokens), which the step runner sets
+with `aux_loss_scale` around each step. Their values are kept for the
+metrics (`take_stats`).
+
+Capacity: dropless by default. With `capacity_factor` c > 0 an expert takes
+at most ceil(c * tokens * top_k / n_experts) of a micro-batch's assignments,
+its highest-weighted ones; the rest are dropped (the token keeps its other
+experts and the shared ones) and counted. The count depends on how many
+tokens one forward sees (the micro-batch, and under context or sequence
+parallelism this rank's share), so drops depend on the layout.
+
+Counting survives activation checkpointing: a forward rerun inside backward
+(`torch._C._current_graph_task_id() != -1`) routes the same tokens again and
+is not counted twice.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from trainlib.errors import ConfigError
+
+__all__ = ["GroupedExperts", "MoE", "MoEArgs", "MoEConfig", "Router", "aux_loss_scale", "moe_layers"]
+
+
+@dataclass(frozen=True)
+class MoEArgs:
+    """The shape of one MoE block (a family's flavor holds it)."""
+
+    n_experts: int
+    top_k: int
+    expert_dim: int  # each routed expert's hidden width
+    n_shared_experts: int = 0  # shared experts, as one gated MLP of n_shared_experts * expert_dim
+    score_func: Literal["softmax", "sigmoid"] = "softmax"
+    route_norm: bool = True  # the chosen experts' weights sum to 1
+    route_scale: float = 1.0
+    n_groups: int = 1  # group-limited routing: experts in n_groups groups of n_experts / n_groups
+    topk_groups: int = 1  # tokens choose among the experts of this many groups
+
+    def validate(self) -> None:
+        for key in ("n_experts", "top_k", "expert_dim", "n_groups", "topk_groups"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.moe {key} must be >= 1, got {getattr(self, key)}")
+        if self.top_k > self.n_experts:
+            raise ConfigError(f"model.moe top_k ({self.top_k}) must be at most n_experts ({self.n_experts})")
+        if self.score_func not in ("softmax", "sigmoid"):
+            raise ConfigError(f"model.moe score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")
+        if self.n_experts % self.n_groups or self.topk_groups > self.n_groups:
+            raise ConfigError(f"group-limited routing needs n_groups ({self.n_groups}) dividing n_experts "
+                              f"({self.n_experts}) and topk_groups ({self.topk_groups}) <= n_groups")
+        if self.n_groups > 1 and self.topk_groups * self.n_experts // self.n_groups < self.top_k:
+            raise ConfigError(f"topk_groups ({self.topk_groups}) groups of {self.n_experts // self.n_groups} "
+                              f"experts hold fewer than top_k ({self.top_k}) experts; raise topk_groups")
+
+
+@dataclass
+class MoEConfig:
+    """Training-time settings of every MoE block (the `[moe]` recipe section); dense families ignore them."""
+
+    load_balance: Literal["bias", "none"] = field(default="bias", metadata={
+        "help": "'bias': the auxiliary-loss-free per-expert bias, updated after every optimizer step from the "
+                "global batch's token counts; 'none': no bias"})
+    bias_update_rate: float = field(default=1e-3, metadata={
+        "help": "how far each expert's bias moves per optimizer step (DeepSeek-V3: 1e-3)"})
+    seq_aux_loss_coef: float = field(default=0.0, metadata={
+        "help": "weight of the sequence-wise load-balance loss (0: off)"})
+    z_loss_coef: float = field(default=0.0, metadata={
+        "help": "weight of the router z-loss, mean logsumexp(logits)^2 over tokens (0: off)"})
+    capacity_factor: float = field(default=0.0, metadata={
+        "help": "0: dropless; c > 0: an expert takes at most ceil(c * tokens * top_k / n_experts) assignments "
+                "per forward, its highest-weighted; the rest are dropped and counted"})
+    grouped_mm: bool = field(default=True, metadata={
+        "help": "run the experts as one grouped matmul (false: a loop over experts; the same values, slower)"})
+
+    def __post_init__(self) -> None:
+        if self.load_balance not in ("bias", "none"):
+            raise ConfigError(f"moe.load_balance must be 'bias' or 'none', got {self.load_balance!r}")
+        for key in ("bias_update_rate", "seq_aux_loss_coef", "z_loss_coef", "capacity_factor"):
+            if getattr(self, key) < 0:
+                raise ConfigError(f"moe.{key} must be >= 0, got {getattr(self, key)}")
+
+
+# ----------------------------------------------------------------- the aux-loss scale
+_SCALE: list[float | torch.Tensor | None] = [None]
+
+
+@contextlib.contextmanager
+def aux_loss_scale(scale: float | torch.Tensor):
+    """Within this context each token's auxiliary losses weigh `scale` (1 / the global batch's target tokens,
+    as the language-model loss's tokens do). Outside it (evaluation, a plain forward) no auxiliary loss
+    reaches the gradients."""
+    _SCALE.append(scale)
+    try:
+        yield
+    finally:
+        _SCALE.pop()
+
+
+class _AddAuxiliaryLoss(torch.autograd.Function):
+    """Returns `x` unchanged; in backward, gives `aux` (a scalar) the gradient 1, so the loss's gradient
+    reaches the router as if `aux` had been added to the training loss."""
+
+    @staticmethod
+    def forward(ctx, x, aux):
+        ctx.aux_meta = (aux.dtype, aux.device)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        dtype, device = ctx.aux_meta
+        return grad, torch.ones((), dtype=dtype, device=device)
+
+
+def _recomputing() -> bool:
+    # Inside backward (activation checkpointing's rerun) autograd runs a graph task.
+    return torch._C._current_graph_task_id() != -1
+
+
+# ----------------------------------------------------------------- router
+class Router(nn.Module):
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        self.args = args
+        self.gate = nn.Linear(dim, args.n_experts, bias=False)
+
+    def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """x: [T, dim]. Returns (top_idx [T, k] int64, weights [T, k] fp32, scores [T, E] fp32,
+        logits [T, E] fp32)."""
+        a = self.args
+        logits = F.linear(x.float(), self.gate.weight.float())
+        scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
+        ranked = scores.detach() if bias is None else scores.detach() + bias
+        if a.n_groups > 1:
+            group_best = ranked.view(-1, a.n_groups, a.n_experts // a.n_groups).amax(-1)
+            keep = torch.zeros_like(group_best, dtype=torch.bool).scatter_(
+                1, group_best.topk(a.topk_groups, dim=-1).indices, True)
+            ranked = ranked.masked_fill(~keep.repeat_interleave(a.n_experts // a.n_groups, dim=1), float("-inf"))
+        top_idx = ranked.topk(a.top_k, dim=-1).indices
+        weights = scores.gather(1, top_idx)
+        if a.route_norm:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return top_idx, weights * a.route_scale, scores, logits
+
+
+# ----------------------------------------------------------------- experts
+class GroupedExperts(nn.Module):
+    """`n_experts` SwiGLU MLPs as 3-D weights, each expert's [out, in] like nn.Linear's: w1 (gate) and
+    w3 (up) [E, hidden, dim], w2 (down) [E, dim, hidden]."""
+
+    def __init__(self, dim: int, hidden: int, n_experts: int):
+        super().__init__()
+        self.w1 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
+        self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
+        self.grouped_mm = True
+
+    def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """x: [N, dim], rows sorted by expert, counts[e] of them for expert e. Returns [N, dim]."""
+        w1, w2, w3 = self.w1, self.w2, self.w3
+        if hasattr(w1, "to_local"):  # sharded over tensor/expert parallel: this rank's experts
+            w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
+        if self.grouped_mm and _grouped_mm_ok(x, w1):
+            offs = counts.cumsum(0).to(torch.int32)
+            h = F.silu(_gmm(x, w1, offs)) * _gmm(x, w3, offs)
+            return _gmm(h, w2, offs)
+        return self.reference(x, counts, w1, w2, w3)
+
+    @staticmethod
+    def reference(x, counts, w1, w2, w3) -> torch.Tensor:
+        """The plain loop over experts (what the grouped matmul must equal)."""
+        out = torch.zeros(x.shape[0], w2.shape[1], dtype=x.dtype, device=x.device)
+        start = 0
+        for e, n in enumerate(counts.tolist()):
+            if n:
+                xe = x[start:start + n]
+                out[start:start + n] = (F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T
+            start += n
+        return out
+
+
+def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
+    # torch._grouped_mm wants every stride a multiple of 16 bytes; on CUDA it runs bf16 on sm90 and later.
+    aligned = all(n * x.element_size() % 16 == 0 for n in (x.shape[-1], w.shape[-2]))
+    if x.device.type == "cuda":
+        return aligned and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (9, 0)
+    return aligned and x.device.type == "cpu"
+
+
+class _ContiguousGrad(torch.autograd.Function):
+    # torch._grouped_mm's backward refuses an expanded incoming gradient (measured, torch 2.13 CPU).
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad.contiguous()
+
+
+def _gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
+    return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
+
+
+class _SharedExperts(nn.Module):
+    def __init__(self, dim: int, hidden: int):
+        super().__init__()
+        self.w1 = nn.Linear(dim, hidden, bias=False)
+        self.w3 = nn.Linear(dim, hidden, bias=False)
+        self.w2 = nn.Linear(hidden, dim, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+# ----------------------------------------------------------------- the block
+class MoE(nn.Module):
+    """Router, routed experts and optional shared experts; the feed-forward of an MoE block.
+
+    Buffers: `expert_bias` [E] fp32, persistent (checkpoints keep it); `tokens_per_expert` [E],
+    `dropped` and `assigned` (scalars) and `aux` [2] (the step's seq-aux and z-loss terms, already weighted),
+    non-persistent: what this rank routed since the step runner last took them (`take_stats`).
+    """
+
+    def __init__(self, dim: int, args: MoEArgs):
+        super().__init__()
+        args.validate()
+        self.args = args
+        self.router = Router(dim, args)
+        self.experts = GroupedExperts(dim, args.expert_dim, args.n_experts)
+        self.shared_experts = (_SharedExperts(dim, args.n_shared_experts * args.expert_dim)
+                               if args.n_shared_experts else None)
+        self.cfg = MoEConfig()
+        self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=True)
+        self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
+        self.register_buffer("stats", torch.zeros(4), persistent=False)  # dropped, assigned, seq aux, z-loss
+
+    def configure(self, cfg: MoEConfig) -> None:
+        self.cfg = cfg
+        self.experts.grouped_mm = cfg.grouped_mm
+
+    def init_buffers(self, device=None) -> None:
+        for name in ("expert_bias", "tokens_per_expert", "stats"):
+            setattr(self, name, torch.zeros_like(getattr(self, name), device=device))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, dim = x.shape
+        a, cfg = self.args, self.cfg
+        xf = x.reshape(b * s, dim)
+        bias = self.expert_bias if cfg.load_balance == "bias" else None
+        top_idx, weights, scores, logits = self.router(xf, bias)
+
+        flat = top_idx.reshape(-1)  # assignment j = token j // k, its (j % k)-th choice
+        order = flat.argsort(stable=True)  # by expert, in token order within an expert
+        counts = torch.bincount(flat, minlength=a.n_experts)
+        assigned = counts
+        if cfg.capacity_factor > 0:
+            cap = math.ceil(cfg.capacity_factor * flat.numel() / a.n_experts)
+            # within each expert keep the highest-weighted assignments
+            expert_of, w_sorted = flat[order], weights.reshape(-1)[order].detach()
+            by_weight = torch.argsort(-w_sorted, stable=True)
+            by_expert = by_weight[torch.argsort(expert_of[by_weight], stable=True)]
+            rank = torch.empty_like(order)
+            rank[by_expert] = torch.arange(order.numel(), device=x.device) - (counts.cumsum(0) - counts)[expert_of[by_expert]]
+            order = order[rank < cap]  # still grouped by expert
+            counts = counts.clamp(max=cap)
+        tokens = order // a.top_k
+        out = self.experts(xf[tokens], counts)
+        out = out.float() * weights.reshape(-1)[order, None]
+        y = torch.zeros(b * s, dim, dtype=torch.float32, device=x.device).index_add_(0, tokens, out).to(x.dtype)
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(xf)
+
+        recomputing = _recomputing()
+        if not recomputing:
+            with torch.no_grad():
+                self.tokens_per_expert += assigned.to(self.tokens_per_expert.dtype)
+                self.stats[0] += assigned.sum() - counts.sum()
+                self.stats[1] += assigned.sum()
+        scale = _SCALE[-1]
+        if scale is not None and torch.is_grad_enabled() and (cfg.seq_aux_loss_coef or cfg.z_loss_coef):
+            aux = self._aux_losses(top_idx.view(b, s, -1), scores.view(b, s, -1), logits, scale)
+            y = _AddAuxiliaryLoss.apply(y, aux)
+        return y.view(b, s, dim)
+
+    def _aux_losses(self, top_idx, scores, logits, scale) -> torch.Tensor:
+        """The weighted seq-aux and z-loss terms of this forward's tokens (a scalar for backward); their
+        values are added to `stats` for the metrics."""
+        a, cfg = self.args, self.cfg
+        b, s, _ = top_idx.shape
+        terms = []
+        if cfg.seq_aux_loss_coef:
+            hits = torch.zeros(b, a.n_experts, device=scores.device).scatter_add_(
+                1, top_idx.reshape(b, -1), torch.ones(b, s * a.top_k, device=scores.device))
+            frac = hits * a.n_experts / (s * a.top_k)  # c_i * E / (s k), no gradient
+            probs = (scores / scores.sum(-1, keepdim=True)).mean(1)  # P_i per sequence
+            # each sequence weighs its s tokens' share of the global batch, as its LM loss does
+            terms.append(cfg.seq_aux_loss_coef * (frac * probs).sum() * s * scale)
+        else:
+            terms.append(scores.new_zeros(()))
+        if cfg.z_loss_coef:
+            terms.append(cfg.z_loss_coef * torch.logsumexp(logits, -1).square().sum() * scale)
+        else:
+            terms.append(scores.new_zeros(()))
+        if not _recomputing():
+            with torch.no_grad():
+                self.stats[2:] += torch.stack(terms).detach()
+        return terms[0] + terms[1]
+
+    def take_stats(self) -> torch.Tensor:
+        """[tokens per expert (E), dropped, assigned, seq-aux term, z-loss term] routed by this rank since
+        the last call, and zero them."""
+        out = torch.cat([self.tokens_per_expert, self.stats])
+        self.tokens_per_expert.zero_()
+        self.stats.zero_()
+        return out
+
+    @torch.no_grad()
+    def update_bias(self, tokens_per_expert: torch.Tensor) -> None:
+        """One optimizer step's bias update from the global batch's counts of this layer."""
+        if self.cfg.load_balance != "bias" or not self.cfg.bias_update_rate:
+            return
+        delta = torch.sign(tokens_per_expert.mean() - tokens_per_expert)
+        self.expert_bias += self.cfg.bias_update_rate * (delta - delta.mean())
+
+    def param_init_spec(self, name: str, n_layers: int) -> tuple[str, float]:
+        """How the parameter `name` (relative to this module) starts: the down projections depth-scaled
+        like the dense blocks' residual outputs."""
+        if name.endswith("w2.weight") or name == "experts.w2":
+            return ("trunc_normal", 0.02 / math.sqrt(2 * n_layers))
+        return ("trunc_normal", 0.02)
+
+
+def moe_layers(parts: list[nn.Module]) -> dict[int, MoE]:
+    """The MoE blocks of a model (or of this rank's pipeline stages) by global layer index: the index is
+    the key of the `layers` ModuleDict entry that holds them."""
+    out = {}
+    for part in parts:
+        for name, module in part.named_modules():
+            if isinstance(module, MoE):
+                segs = name.split(".")
+                out[int(segs[segs.index("layers") + 1])] = module
+    return out
