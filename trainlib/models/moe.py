@@ -187,11 +187,19 @@ class GroupedExperts(nn.Module):
         self.w3 = nn.Parameter(torch.empty(n_experts, hidden, dim))
         self.w2 = nn.Parameter(torch.empty(n_experts, dim, hidden))
         self.grouped_mm = True
+        # Set by expert parallel (trainlib.parallel.ep): moves the rows to their experts' ranks and back.
+        self.dispatcher = None
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: [N, dim], rows sorted by expert, counts[e] of them for expert e. Returns [N, dim]."""
+        if self.dispatcher is not None:
+            return self.dispatcher(self, x, counts)
+        return self.local(x, counts)
+
+    def local(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """The experts this rank holds on rows sorted by them (counts: one per expert held)."""
         w1, w2, w3 = self.w1, self.w2, self.w3
-        if hasattr(w1, "to_local"):  # sharded over tensor/expert parallel: this rank's experts
+        if hasattr(w1, "to_local"):  # sharded over expert parallel: this rank's experts
             w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
         if self.grouped_mm and _grouped_mm_ok(x, w1):
             offs = counts.cumsum(0).to(torch.int32)

@@ -5,8 +5,10 @@ Order (each step assumes the previous ones):
   2. context parallel                        all-gather CP: each rank gathers K/V over cp
   3. activation checkpointing                wraps blocks
   4. torch.compile                           per block, after AC wrapping
-  5. FSDP / HSDP                             last: shards whatever parameters
-                                             (possibly DTensors from TP) exist
+  5. expert parallel                         MoE blocks' experts sharded over ep
+  6. FSDP / HSDP                             last: shards whatever parameters
+                                             (possibly DTensors from TP or EP) exist;
+                                             experts over efsdp
 Pipeline parallelism is applied before all of these, by splitting the model
 into stages; each stage is then parallelized with the family's function,
 which calls `parallelize_dense` with its own plan. A family whose blocks need
@@ -24,6 +26,7 @@ from trainlib.parallel.ac import ActivationCheckpointConfig, apply_ac
 from trainlib.parallel.compile import CompileConfig, apply_compile
 from trainlib.parallel.config import ParallelismConfig
 from trainlib.parallel.cp import apply_cp
+from trainlib.parallel.ep import apply_ep
 from trainlib.parallel.fsdp import apply_fsdp, reshard_after_forward
 from trainlib.parallel.mixed_precision import fsdp_wraps
 from trainlib.parallel.parallel_dims import ParallelDims
@@ -53,6 +56,8 @@ def parallelize_dense(
         apply_ac(model, ac.mode, every_k=ac.every_k, selective_op_policy=ac.selective_op_policy)
     if compile is not None and compile.enable:
         apply_compile(model, backend=compile.backend)
+    if parallel_dims.ep_enabled:
+        apply_ep(model, parallel_dims.mesh("ep"))
     if fsdp_wraps(parallel_dims, param_dtype):
         apply_fsdp(
             model,
@@ -62,5 +67,6 @@ def parallelize_dense(
             reshard_after_forward=reshard_after_forward(parallelism.fsdp_reshard_after_forward,
                                                         parallel_dims.pp_enabled),
             cpu_offload=parallelism.fsdp_cpu_offload,
+            expert_mesh=parallel_dims.expert_fsdp_mesh() if parallel_dims.ep_enabled else None,
         )
     return model

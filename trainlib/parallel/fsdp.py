@@ -8,6 +8,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
+from trainlib.models.moe import GroupedExperts
+
 
 def apply_fsdp(
     model: nn.Module,
@@ -17,6 +19,7 @@ def apply_fsdp(
     reduce_dtype: torch.dtype = torch.float32,
     reshard_after_forward: bool = True,
     cpu_offload: bool = False,
+    expert_mesh: DeviceMesh | None = None,
 ) -> nn.Module:
     """Wrap each transformer block, then the root, with `fully_shard`.
 
@@ -24,6 +27,11 @@ def apply_fsdp(
     wrapping is what bounds memory: only one block's full parameters exist at a
     time. The root group (embedding, final norm, output) is not resharded after
     forward because backward needs it first.
+
+    Under expert parallel (`expert_mesh`: efsdp, or (dp_replicate, efsdp) for
+    HSDP) each block's routed experts, already sharded over ep
+    (trainlib.parallel.ep), get their own FSDP unit on that mesh first, so the
+    block's unit on `mesh` leaves them out.
 
     Gradients are reduced with SUM, not the default mean: the training loop
     already divides the loss by the number of tokens in the whole global batch,
@@ -34,6 +42,11 @@ def apply_fsdp(
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
     for block in model.layers.values():
+        if expert_mesh is not None:
+            for module in block.modules():
+                if isinstance(module, GroupedExperts):
+                    fully_shard(module, reshard_after_forward=reshard_after_forward,
+                                **(kwargs | {"mesh": expert_mesh}))
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
     for module in model.modules():
