@@ -9,6 +9,10 @@ RUN_DIR. Each panel plots a metrics.jsonl field against the step, runs
 overlaid in one color each: loss (with val_loss where validation ran), lr,
 grad_norm, tokens_per_second and peak_memory_gib. Legends name each run by
 its folder, plus the recipe keys in which the runs' config.toml differ.
+Mixture-of-Experts runs add moe_aux_loss, moe_z_loss and the dropped tokens
+(where non-zero), and one heat map per run of each MoE layer's load
+imbalance over the steps; the summary table gains the last logged step's
+mean and max imbalance over the layers.
 A resumed run appends to metrics.jsonl, so a step may appear twice: the later
 record wins. `plot_parity` draws a `trainlib.parity` report the same way.
 """
@@ -17,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import html
+import importlib
 import json
 import math
 import sys
@@ -30,6 +35,13 @@ from trainlib.config.loader import load_toml_with_extends
 COLORS = ["#1f77b4", "#ff7f0e", "#2ca02c", "#d62728", "#9467bd", "#8c564b", "#e377c2", "#7f7f7f", "#bcbd22",
           "#17becf"]
 PARITY_FLOOR = 1e-9  # where an exactly equal step sits on the log axis of relative deviations
+# Light to dark, as matplotlib's "YlOrRd" (ColorBrewer's stops): a sequential scale, so darker is always more
+# imbalanced and the page reads like the PNG.
+HEAT_CMAP = "YlOrRd"
+HEAT_STOPS = [(255, 255, 204), (254, 178, 76), (240, 59, 32), (128, 0, 38)]
+# A heat map panel is ~400 px wide: more columns than this are under 2 px each and only grow the page
+# (a long run logs 10^4 steps x ~100 layers), so neighbouring steps are averaged into one column.
+MAX_HEAT_COLUMNS = 240
 
 
 @dataclass
@@ -49,6 +61,18 @@ class Panel:
     ylabel: str
     series: list[Series]
     logy: bool = False
+
+
+@dataclass
+class HeatMap:
+    """A value per (row, column) cell: rows are MoE layers (bottom up), columns are runs of logged steps."""
+    title: str
+    label: str  # the run's
+    rows: list[str]  # the layer indices, the y tick labels
+    edges: list[float]  # column boundaries on the step axis, len(columns) + 1: steps need not be evenly spaced
+    spans: list[tuple[int, int]]  # each column's first and last step (the same step when not averaged)
+    values: list[list[float | None]]  # values[row][column]; None where no finite value was logged
+    zlabel: str = ""
 
 
 @dataclass
@@ -100,6 +124,21 @@ def _field(run: Run, key: str) -> tuple[list, list]:
     return _finite([r["step"] for r in run.records if key in r], [r[key] for r in run.records if key in r])
 
 
+def _num(v) -> bool:
+    return isinstance(v, (int, float)) and math.isfinite(v)
+
+
+def _per_layer(run: Run, key: str) -> tuple[list, list[dict]]:
+    """The steps that logged `key` as {layer index: value} (MoE fields, log steps only) and those dicts."""
+    logged = [(r["step"], r[key]) for r in run.records if isinstance(r.get(key), dict) and r[key]]
+    return [s for s, _ in logged], [d for _, d in logged]
+
+
+def _dropped(run: Run) -> tuple[list, list]:
+    steps, per_layer = _per_layer(run, "moe_dropped_tokens")
+    return steps, [sum(v for v in d.values() if _num(v)) for d in per_layer]
+
+
 def run_labels(runs: list[Run]) -> list[str]:
     """Each run's name plus the recipe keys whose values differ between the runs
     (among the runs that have a config.toml)."""
@@ -119,7 +158,7 @@ def _loss_change(run: Run) -> str:
     return f"{_fmt(losses[0])} -> {_fmt(losses[-1])} at step {steps[-1]}" if losses else "none logged"
 
 
-def training_panels(runs: list[Run]) -> tuple[list[Panel], list[Series]]:
+def training_panels(runs: list[Run]) -> tuple[list[Panel | HeatMap], list[Series]]:
     """The report's panels and its legend (one entry per run, then line styles)."""
     colors = [COLORS[i % len(COLORS)] for i in range(len(runs))]
     loss = []
@@ -134,11 +173,55 @@ def training_panels(runs: list[Run]) -> tuple[list[Panel], list[Series]]:
                                ("throughput", "tokens_per_second", "tokens/s (global)"),
                                ("peak memory", "peak_memory_gib", "peak memory (GiB)")]:
         panels.append(Panel(title, ylabel, [Series(run.name, c, *_field(run, key)) for run, c in zip(runs, colors)]))
+    labels = run_labels(runs)
+    panels += moe_panels(runs, labels, colors)
     legend = [Series(f"{label}: loss {_loss_change(run)}", c, width=2.5)
-              for run, label, c in zip(runs, run_labels(runs), colors)]
+              for run, label, c in zip(runs, labels, colors)]
     if has_val:
         legend += [Series("training loss", "#444444"), Series("validation loss", "#444444", dashed=True, markers=True)]
     return panels, legend
+
+
+def moe_panels(runs: list[Run], labels: list[str], colors: list[str]) -> list[Panel | HeatMap]:
+    """Mixture-of-Experts routing, [] for dense runs: the auxiliary losses and the dropped tokens, each
+    only where some run's is non-zero (a z-loss weight of 0 or no capacity limit logs zeros that say
+    nothing), then one expert-load heat map per run that logged it."""
+    panels = []
+    for title, ylabel, values in [("MoE load-balancing loss", "moe_aux_loss", lambda r: _field(r, "moe_aux_loss")),
+                                  ("MoE router z-loss", "moe_z_loss", lambda r: _field(r, "moe_z_loss")),
+                                  ("MoE dropped tokens (sum over layers)", "tokens over capacity", _dropped)]:
+        series = [Series(run.name, c, *values(run)) for run, c in zip(runs, colors)]
+        if any(v != 0 for s in series for v in s.values):
+            panels.append(Panel(title, ylabel, series))
+    for run, label in zip(runs, labels):
+        steps, per_layer = _per_layer(run, "moe_load_imbalance")
+        if steps:
+            panels.append(heat_map("MoE load imbalance (max/mean tokens per expert)", label, steps, per_layer,
+                                   zlabel="max / mean (1 = balanced)"))
+    return panels
+
+
+def heat_map(title: str, label: str, steps: list, per_step: list[dict], zlabel: str = "",
+             max_columns: int = MAX_HEAT_COLUMNS) -> HeatMap:
+    """Rows: the keys of `per_step`'s dicts (layer indices); columns: the steps, consecutive steps averaged
+    into one column where there are more than `max_columns`."""
+    # Layer indices are decimal strings: shorter first puts "10" after "9".
+    rows = sorted({k for d in per_step for k in d}, key=lambda k: (len(k), k))
+    # Each step's cell reaches halfway to its neighbours: uneven log steps (a resumed run) keep their place.
+    mids = [(a + b) / 2 for a, b in zip(steps, steps[1:])]
+    first = steps[0] - (mids[0] - steps[0] if mids else 0.5)
+    edges = [first, *mids, steps[-1] + (steps[-1] - mids[-1] if mids else 0.5)]
+    per = math.ceil(len(steps) / max_columns)
+    starts = range(0, len(steps), per)
+    values = []
+    for k in rows:
+        row = []
+        for i in starts:
+            got = [d[k] for d in per_step[i:i + per] if _num(d.get(k))]
+            row.append(sum(got) / len(got) if got else None)
+        values.append(row)
+    return HeatMap(title, label, rows, [edges[i] for i in starts] + [edges[-1]],
+                   [(steps[i], steps[min(i + per, len(steps)) - 1]) for i in starts], values, zlabel)
 
 
 def parity_panels(report, tol: float) -> tuple[list[Panel], list[Series]]:
@@ -164,7 +247,7 @@ def parity_panels(report, tol: float) -> tuple[list[Panel], list[Series]]:
 
 
 # ------------------------------------------------------------------------ PNG
-def figure(panels: list[Panel], legend: list[Series], title: str):
+def figure(panels: list[Panel | HeatMap], legend: list[Series], title: str):
     """A matplotlib Figure: the panels in rows of three, the legend in the next cell."""
     from matplotlib.figure import Figure  # no pyplot: no global state, no GUI backend
 
@@ -175,6 +258,9 @@ def figure(panels: list[Panel], legend: list[Series], title: str):
     fig.suptitle(title, fontsize=13)
     axes = list(fig.subplots(rows, 3, squeeze=False).flat)
     for ax, panel in zip(axes, panels):
+        if isinstance(panel, HeatMap):
+            _draw_heat_map(fig, ax, panel)
+            continue
         for s in panel.series:
             ax.plot(s.steps, s.values, color=s.color, lw=s.width, ls="--" if s.dashed else "-",
                     marker="o" if s.markers else None, ms=3.5, label=s.label)
@@ -189,6 +275,26 @@ def figure(panels: list[Panel], legend: list[Series], title: str):
     for ax in axes[len(panels) + 1:]:
         ax.axis("off")
     return fig
+
+
+def _row_ticks(n: int, most: int = 12) -> range:
+    """Which rows get a label: every one up to `most`, then evenly thinned (94 layers would overlap)."""
+    return range(0, n, math.ceil(n / most))
+
+
+def _draw_heat_map(fig, ax, hm: HeatMap) -> None:
+    import numpy as np  # matplotlib's own dependency
+
+    values = np.ma.masked_invalid(np.array([[math.nan if v is None else v for v in row] for row in hm.values]))
+    ax.set(title=f"{hm.title}\n{textwrap.shorten(hm.label, 70)}", xlabel="step", ylabel="MoE layer")
+    ticks = _row_ticks(len(hm.rows))
+    ax.set_yticks([i + 0.5 for i in ticks], [hm.rows[i] for i in ticks])
+    if values.count() == 0:  # nothing finite: a colour bar of an empty range would fail
+        ax.text(0.5, 0.5, "no data", ha="center", va="center", transform=ax.transAxes)
+        return
+    # pcolormesh, not imshow: columns as wide as their steps, row r from r to r + 1
+    mesh = ax.pcolormesh(hm.edges, range(len(hm.rows) + 1), values, cmap=HEAT_CMAP)
+    fig.colorbar(mesh, ax=ax, label=hm.zlabel)
 
 
 # ----------------------------------------------------------------------- HTML
@@ -254,7 +360,62 @@ def svg_panel(panel: Panel, w: int = 470, h: int = 300) -> str:
     return "".join(out) + "</svg>"
 
 
-def html_page(panels: list[Panel], legend: list[Series], title: str, table: list[list[str]]) -> str:
+def _heat_color(t: float) -> str:
+    """t in [0, 1] as a colour of HEAT_STOPS, linearly between neighbouring stops."""
+    t = min(max(t, 0.0), 1.0) * (len(HEAT_STOPS) - 1)
+    i = min(int(t), len(HEAT_STOPS) - 2)
+    f = t - i
+    return "#" + "".join(f"{round(a + (b - a) * f):02x}" for a, b in zip(HEAT_STOPS[i], HEAT_STOPS[i + 1]))
+
+
+def svg_heat_map(hm: HeatMap, w: int = 470, h: int = 300) -> str:
+    """One <rect> per cell, its value in its <title>; the colour key at the right, min at the bottom."""
+    left, right, top, bottom = 66, 70, 40, 42
+    pw, ph = w - left - right, h - top - bottom
+    out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{w}" height="{h}" font-family="sans-serif" '
+           f'font-size="11"><text x="{w / 2}" y="16" text-anchor="middle" font-size="13">'
+           f'{html.escape(hm.title)}</text>',
+           f'<text x="{w / 2}" y="31" text-anchor="middle">{html.escape(textwrap.shorten(hm.label, 70))}</text>',
+           f'<text x="{left + pw / 2}" y="{h - 6}" text-anchor="middle">step</text>',
+           f'<text transform="translate(13,{top + ph / 2}) rotate(-90)" text-anchor="middle">MoE layer</text>']
+    cells = [v for row in hm.values for v in row if v is not None]
+    frame = f'<rect x="{left}" y="{top}" width="{pw}" height="{ph}" fill="none" stroke="#999"/>'
+    if not cells:
+        return "".join(out) + frame + (f'<text x="{left + pw / 2}" y="{top + ph / 2}" text-anchor="middle">no data'
+                                       "</text></svg>")
+    lo, hi = min(cells), max(cells)
+    x0, x1 = hm.edges[0], hm.edges[-1]
+    sx = lambda x: left + (x - x0) / (x1 - x0) * pw  # noqa: E731
+    rh = ph / len(hm.rows)
+    row_y = lambda r: top + ph - (r + 1) * rh  # noqa: E731  (the first layer at the bottom, as in the PNG)
+    for r, layer in enumerate(hm.rows):
+        for c, v in enumerate(hm.values[r]):
+            if v is None:
+                continue
+            a, b = hm.spans[c]
+            at = f"step {a}" if a == b else f"steps {a}-{b} (mean)"
+            xa, xb = sx(hm.edges[c]), sx(hm.edges[c + 1])
+            color = _heat_color((v - lo) / (hi - lo) if hi > lo else 0.0)
+            out.append(f'<rect x="{xa:.2f}" y="{row_y(r):.2f}" width="{xb - xa:.2f}" height="{rh:.2f}" fill="{color}">'
+                       f'<title>layer {html.escape(layer)}, {at}: {v:.4g}</title></rect>')
+    out.append(frame)
+    for x in _ticks(x0, x1):
+        out.append(f'<text x="{sx(x):.1f}" y="{top + ph + 14}" text-anchor="middle">{_fmt(x)}</text>')
+    for r in _row_ticks(len(hm.rows)):
+        out.append(f'<text x="{left - 4}" y="{row_y(r) + rh / 2 + 4:.1f}" text-anchor="end">'
+                   f"{html.escape(hm.rows[r])}</text>")
+    # the key: a column of swatches from the lowest value (bottom) to the highest (top), both written out
+    kx, n = left + pw + 10, 10
+    out += [f'<rect x="{kx}" y="{top + ph - (i + 1) * ph / n:.2f}" width="12" height="{ph / n:.2f}" '
+            f'fill="{_heat_color(i / (n - 1))}"/>' for i in range(n)]
+    out.append(f'<text x="{kx + 16}" y="{top + 9}">{_fmt(hi)}</text>'
+               f'<text x="{kx + 16}" y="{top + ph}">{_fmt(lo)}</text>'
+               f'<text x="{kx + 16}" y="{top + 24}" font-size="9">max</text>'
+               f'<text x="{kx + 16}" y="{top + ph - 13}" font-size="9">min</text>')
+    return "".join(out) + "</svg>"
+
+
+def html_page(panels: list[Panel | HeatMap], legend: list[Series], title: str, table: list[list[str]]) -> str:
     keys = "".join(f'<li><span style="border-top:3px {"dashed" if s.dashed else "solid"} {s.color}"></span>'
                    f"{html.escape(s.label)}</li>" for s in legend)
     head, *rows = table
@@ -272,14 +433,14 @@ td:first-child, th:first-child {{ text-align: left; }}
 </style></head><body>
 <h1>{html.escape(title)}</h1>
 <ul>{keys}</ul>
-<div class="panels">{"".join(svg_panel(p) for p in panels)}</div>
+<div class="panels">{"".join(svg_heat_map(p) if isinstance(p, HeatMap) else svg_panel(p) for p in panels)}</div>
 <table><tr>{"".join(f"<th>{html.escape(c)}</th>" for c in head)}</tr>{cells}</table>
 </body></html>
 """
 
 
 # ---------------------------------------------------------------------- write
-def write(panels: list[Panel], legend: list[Series], title: str, table: list[list[str]],
+def write(panels: list[Panel | HeatMap], legend: list[Series], title: str, table: list[list[str]],
           prefix: str | Path) -> list[Path]:
     """PREFIX.html always; PREFIX.png when matplotlib is installed. Returns what was written."""
     prefix = Path(prefix)
@@ -287,7 +448,7 @@ def write(panels: list[Panel], legend: list[Series], title: str, table: list[lis
     written = [prefix.with_name(prefix.name + ".html")]
     written[0].write_text(html_page(panels, legend, title, table), encoding="utf-8")
     try:
-        import matplotlib  # noqa: F401
+        importlib.import_module("matplotlib")  # only whether it imports: figure() imports what it draws with
     except ImportError:
         print(f"skipped {prefix.name}.png: matplotlib is not installed (pip install 'trainlib[report]')")
         return written
@@ -296,7 +457,8 @@ def write(panels: list[Panel], legend: list[Series], title: str, table: list[lis
     return written + [png]
 
 
-def _summary(run: Run) -> list[str]:
+def _summary(run: Run, moe: bool = False) -> list[str]:
+    """The run's row of the table; `moe`: with the MoE columns (some run of the table logged them)."""
     def last(key):
         values = _field(run, key)[1]
         return _fmt(values[-1]) if values else "-"
@@ -305,7 +467,14 @@ def _summary(run: Run) -> list[str]:
     tps = sorted(_field(run, "tokens_per_second")[1])
     return [run.name, str(run.records[-1]["step"]), _fmt(losses[0]) if losses else "-", last("loss"),
             _fmt(min(losses)) if losses else "-", last("val_loss"), _fmt(tps[len(tps) // 2]) if tps else "-",
-            _fmt(max(_field(run, "peak_memory_gib")[1], default=0.0))]
+            _fmt(max(_field(run, "peak_memory_gib")[1], default=0.0))] + (_moe_summary(run) if moe else [])
+
+
+def _moe_summary(run: Run) -> list[str]:
+    """The mean and max over the layers of the last logged step's load imbalance; "-" for a dense run."""
+    per_layer = _per_layer(run, "moe_load_imbalance")[1]
+    last = [v for v in per_layer[-1].values() if _num(v)] if per_layer else []
+    return [_fmt(sum(last) / len(last)), _fmt(max(last))] if last else ["-", "-"]
 
 
 def report(run_dirs: list[str | Path], prefix: str | Path | None = None) -> list[Path]:
@@ -314,8 +483,10 @@ def report(run_dirs: list[str | Path], prefix: str | Path | None = None) -> list
         for r, d in zip(runs, run_dirs):
             r.name = str(d)
     panels, legend = training_panels(runs)
-    table = [["run", "last step", "first loss", "last loss", "min loss", "last val_loss", "median tok/s",
-              "peak memory GiB"]] + [_summary(r) for r in runs]
+    moe = any(_per_layer(r, "moe_load_imbalance")[0] for r in runs)
+    head = ["run", "last step", "first loss", "last loss", "min loss", "last val_loss", "median tok/s",
+            "peak memory GiB"] + (["last MoE imbalance mean", "last MoE imbalance max"] if moe else [])
+    table = [head] + [_summary(r, moe) for r in runs]
     return write(panels, legend, "trainlib: " + ", ".join(r.name for r in runs), table,
                  prefix or Path(run_dirs[0]) / "report")
 

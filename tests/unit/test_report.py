@@ -221,3 +221,136 @@ def test_a_log_panel_spaces_decades_equally_and_labels_them():
     (_, y1), (_, y2), (_, y3) = line
     assert y1 > y2 > y3 and math.isclose(y1 - y2, y2 - y3, abs_tol=0.2)
     assert {"1e-7", "1e-6", "1e-5"} <= {e.text for e in root.iter(ns + "text")}
+
+
+# ------------------------------------------------------------------ MoE runs
+MOE_TITLE = "MoE load imbalance (max/mean tokens per expert)"
+IMBALANCE = {10: {"1": 1.2, "2": 1.5, "3": 2.5}, 20: {"1": 1.1, "2": 1.4, "3": 2.0},
+             30: {"1": 1.0, "2": 1.3, "3": 1.8}, 40: {"1": 1.05, "2": 1.25, "3": 1.6}}  # layer 0 is dense
+
+
+def moe_record(step, loss, dropped=(0, 0, 0)):
+    return record(step, loss, moe_aux_loss=0.01 * step, moe_z_loss=0.0, moe_load_imbalance=IMBALANCE[step],
+                  moe_dropped_tokens=dict(zip(("1", "2", "3"), dropped)))
+
+
+@pytest.fixture
+def moe_run(tmp_path):
+    # steps 10-40 log the MoE fields; the z-loss is off (all zero); tokens are dropped at step 20 only
+    return write_run(tmp_path / "moe", [moe_record(10, 5.0), moe_record(20, 4.0, dropped=(3, 0, 4)),
+                                        moe_record(30, 3.5), moe_record(40, 3.0)])
+
+
+def _svgs(page):
+    """Each <svg> of the page as an ElementTree, by its first <text> (the title)."""
+    import re
+    import xml.etree.ElementTree as ET
+
+    roots = [ET.fromstring(m) for m in re.findall(r"<svg .*?</svg>", page, flags=re.S)]
+    return {next(r.iter("{http://www.w3.org/2000/svg}text")).text: r for r in roots} if roots else {}, roots
+
+
+def _cells(root):
+    ns = "{http://www.w3.org/2000/svg}"
+    return [(e.find(ns + "title").text, e.get("fill")) for e in root.iter(ns + "rect")
+            if e.find(ns + "title") is not None]  # the key's swatches have no title
+
+
+def test_a_moe_run_gets_a_heat_map_of_each_layer_over_the_steps(moe_run, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)  # the page alone
+    page = report([moe_run], tmp_path / "r")[0].read_text()
+    roots = [r for r in _svgs(page)[1] if MOE_TITLE in "".join(r.itertext())]
+    assert len(roots) == 1
+    cells = dict(_cells(roots[0]))
+    assert len(cells) == 4 * 3  # one rect per (logged step, MoE layer)
+    assert cells["layer 2, step 20: 1.4"] and cells["layer 3, step 10: 2.5"] and cells["layer 1, step 30: 1"]
+    assert cells["layer 3, step 10: 2.5"] == "#800026" and cells["layer 1, step 30: 1"] == "#ffffcc"  # max, min
+    texts = [t for t in roots[0].itertext() if t.strip()]
+    assert {"1", "2", "3", "MoE layer", "step", "moe", "2.5"} <= set(texts)  # layer labels, axes, run, key's max
+    assert texts[-4:] == ["2.5", "1", "max", "min"]  # the key: the highest and lowest value
+    assert "http" not in page.replace('xmlns="http://www.w3.org/2000/svg"', "")
+
+
+def test_rows_are_layers_bottom_up_and_columns_sit_at_their_steps(moe_run):
+    ns = "{http://www.w3.org/2000/svg}"
+    from trainlib.report import HeatMap, svg_heat_map
+
+    (hm,) = [p for p in training_panels([load_run(moe_run)])[0] if isinstance(p, HeatMap)]
+    assert hm.rows == ["1", "2", "3"] and hm.edges == [5.0, 15.0, 25.0, 35.0, 45.0]
+    import xml.etree.ElementTree as ET
+
+    rects = {e.find(ns + "title").text.split(":")[0]: e for e in ET.fromstring(svg_heat_map(hm)).iter(ns + "rect")
+             if e.find(ns + "title") is not None}
+    y = lambda k: float(rects[k].get("y"))  # noqa: E731
+    x = lambda k: float(rects[k].get("x"))  # noqa: E731
+    assert y("layer 1, step 10") > y("layer 2, step 10") > y("layer 3, step 10")  # layer 1 at the bottom
+    assert x("layer 1, step 10") < x("layer 1, step 20") < x("layer 1, step 40")
+
+
+def test_moe_losses_and_dropped_tokens_are_drawn_where_not_all_zero(moe_run):
+    panels = training_panels([load_run(moe_run)])[0]
+    by_title = {p.title: p for p in panels}
+    assert "MoE router z-loss" not in by_title  # all zero: nothing to see
+    (aux,) = by_title["MoE load-balancing loss"].series
+    assert (aux.steps, aux.values) == ([10, 20, 30, 40], [0.1, 0.2, 0.3, 0.4])
+    (dropped,) = by_title["MoE dropped tokens (sum over layers)"].series
+    assert (dropped.steps, dropped.values) == ([10, 20, 30, 40], [0, 7, 0, 0])
+
+
+def test_the_summary_has_the_last_steps_mean_and_max_imbalance(moe_run, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    page = report([moe_run], tmp_path / "r")[0].read_text()
+    assert "<th>last MoE imbalance mean</th><th>last MoE imbalance max</th>" in page
+    assert "<td>0.5</td><td>1.3</td><td>1.6</td></tr>" in page  # peak memory, then step 40's mean and max
+
+
+def test_several_runs_get_a_heat_map_each_and_a_dense_one_none(moe_run, resumed, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    other = write_run(tmp_path / "moe2", [moe_record(10, 5.0), moe_record(20, 4.5)])
+    page = report([moe_run, resumed, other], tmp_path / "r")[0].read_text()
+    maps = [r for r in _svgs(page)[1] if MOE_TITLE in "".join(r.itertext())]
+    assert [[t for t in r.itertext()][1] for r in maps] == ["moe", "moe2"]  # labelled by their runs
+    assert [len(_cells(r)) for r in maps] == [12, 6]
+    assert "<td>resumed</td>" in page and "<td>-</td><td>-</td></tr>" in page  # no imbalance for the dense run
+
+
+def test_a_dense_run_has_no_moe_panels_or_columns(resumed, tmp_path, monkeypatch):
+    monkeypatch.setitem(sys.modules, "matplotlib", None)
+    page = report([resumed], tmp_path / "r")[0].read_text()
+    assert "MoE" not in page and not any(_cells(r) for r in _svgs(page)[1])
+    assert len(training_panels([load_run(resumed)])[0]) == 5
+
+
+def test_the_png_draws_the_heat_map_with_a_colour_bar(moe_run, tmp_path):
+    image = pytest.importorskip("matplotlib.image", reason=NO_MPL)
+    panels, legend = training_panels([load_run(moe_run)])
+    fig = figure(panels, legend, "t")
+    (ax,) = [a for a in fig.axes if a.get_title().startswith(MOE_TITLE)]
+    assert ax.get_title() == MOE_TITLE + "\nmoe"
+    assert (ax.get_xlabel(), ax.get_ylabel()) == ("step", "MoE layer")
+    assert [t.get_text() for t in ax.get_yticklabels()] == ["1", "2", "3"]
+    (mesh,) = ax.collections
+    assert mesh.get_array().reshape(3, 4).tolist() == [[IMBALANCE[s][k] for s in (10, 20, 30, 40)] for k in "123"]
+    assert mesh.colorbar is not None and mesh.colorbar.ax.get_ylabel() == "max / mean (1 = balanced)"
+
+    written = report([moe_run], tmp_path / "r")
+    assert [p.name for p in written] == ["r.html", "r.png"]
+    assert image.imread(written[1]).shape[:2] == (1350, 1600)  # 8 panels and the legend: three rows
+
+
+def test_long_runs_average_neighbouring_steps_into_at_most_max_columns():
+    from trainlib.report import heat_map
+
+    steps = list(range(1, 1001))
+    hm = heat_map("t", "run", steps, [{"0": float(s), "7": 1.0} for s in steps], max_columns=240)
+    assert len(hm.edges) - 1 == len(hm.spans) == len(hm.values[0]) == 200  # 5 steps a column
+    assert hm.spans[0] == (1, 5) and hm.values[0][0] == 3.0 and hm.values[1] == [1.0] * 200
+    assert hm.edges[0] == 0.5 and hm.edges[1] == 5.5 and hm.edges[-1] == 1000.5
+
+
+def test_a_layer_missing_at_a_step_is_left_blank_and_layers_sort_as_numbers():
+    from trainlib.report import heat_map
+
+    hm = heat_map("t", "run", [1, 3], [{"10": 1.0, "9": 2.0}, {"9": float("nan"), "2": 1.5}])
+    assert hm.rows == ["2", "9", "10"]
+    assert hm.values == [[None, 1.5], [2.0, None], [1.0, None]] and hm.edges == [0.0, 2.0, 4.0]
