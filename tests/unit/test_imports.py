@@ -29,10 +29,13 @@ LAYERS = [
      ["trainlib.errors", "trainlib.compat", "trainlib.guard", "trainlib.config.loader", "trainlib.config.cli", "trainlib.config.recipes", "trainlib.launch", "trainlib.hardware", "trainlib.loss", "trainlib.distributed", "trainlib.metrics", "trainlib.profiling",
       "trainlib.resilience",
       "trainlib.optim", "trainlib.adamw", "trainlib.precision", "trainlib.float8", "trainlib.data", "trainlib.data.*", "trainlib.models",
-      "trainlib.params", "trainlib.models.layers", "trainlib.models.spec", "trainlib.models.*.model", "trainlib.models.*.state_dict_adapter"]),
+      "trainlib.params", "trainlib.models.layers", "trainlib.models.moe", "trainlib.models.spec", "trainlib.models.*.model", "trainlib.models.*.state_dict_adapter"]),
     ("parallel: the mesh, one module per axis, per-model parallelization",
      ["trainlib.parallel", "trainlib.parallel.*", "trainlib.models.*", "trainlib.step", "trainlib.build",
-      "trainlib.validation"]),
+      "trainlib.validation",
+      # Qwen3-MoE's model reuses Qwen3's attention: importing trainlib.models.qwen3.model runs the
+      # trainlib.models.qwen3 package (its ModelSpec and parallel plan) too
+      "trainlib.models.qwen3_moe.model", "trainlib.models.qwen3_moe.state_dict_adapter"]),
     ("checkpoint: DCP save/load of Stateful parts, HF/Meta interop",
      ["trainlib.checkpoint", "trainlib.checkpoint.*"]),
     ("job config: composes every component's config; cross-field validation",

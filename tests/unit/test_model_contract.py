@@ -3,7 +3,7 @@
 Read from the code, not from a list: the families are the registry's, and the
 module names are every submodule name of each family's model (its debug
 flavor, built on the meta device), less what the contract itself names
-(`layers`). The generic modules' code (identifiers, attribute accesses,
+(`layers`, and `moe`, the [moe] section and MoE args field). The generic modules' code (identifiers, attribute accesses,
 imports, string constants; docstrings and comments are prose and not read)
 must not mention any of them. Then a second family runs through the whole
 runtime: Qwen3 trains, checkpoints, converts and parallelizes by its spec alone.
@@ -24,7 +24,10 @@ GENERIC = [*sorted((ROOT / "parallel").glob("*.py")), *sorted((ROOT / "plan").gl
            *(ROOT / name for name in ("train.py", "validation.py", "build.py", "loss.py", "optim.py", "adamw.py",
                                       "precision.py", "convert.py", "parity.py", "float8.py", "metrics.py",
                                       "guard.py"))]
-CONTRACT_NAMES = {"layers"}  # named by the contract itself (the blocks' ModuleDict)
+# Named by the contract itself: the blocks' ModuleDict; `moe`, the [moe] recipe section and the args field an
+# MoE family's shape carries (trainlib.models.moe.MoEArgs), which generic code reads by that name (it finds the
+# MoE modules by class, trainlib.models.moe.moe_layers, never by a block's attribute).
+CONTRACT_NAMES = {"layers", "moe"}
 # Strings the contract defines: block_forward_flops names the attention scores' op "attention" (the planner
 # prices that kind of work by it); attribute access to a module of that name stays a hit.
 CONTRACT_STRINGS = {"attention"}

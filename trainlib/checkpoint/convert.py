@@ -43,19 +43,35 @@ def hf_to_dcp(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Any:
     for it (`_ConvertOnWrite`), and each goes to a file of its own, since DCP's
     writer keeps a file's tensors until the file is written. (Converted
     eagerly, all blocks' permuted wq and wk were held at once: 72 GB for
-    Llama 3.1 405B in bf16.)"""
+    Llama 3.1 405B in bf16.) A weight stacked from several HF tensors (an
+    MoE layer's experts) is planned on a meta tensor and stacked when the
+    writer asks for it. Persistent buffers the HF format has no counterpart
+    for (an MoE layer's load-balance bias) are saved at their initial value,
+    so the checkpoint holds every key of the model's state dict."""
     args, sd = read_hf_folder(hf_dir)
-    dcp.save({"model": {name: sd.stored(name) for name in sd},
-              "trainer": TrainState(model_args=args, model_name=sd.spec.name)},
+    model = {name: sd.planned(name) for name in sd}
+    model.update(_initial_buffers(sd.spec, args, model))
+    dcp.save({"model": model, "trainer": TrainState(model_args=args, model_name=sd.spec.name)},
              storage_writer=FileSystemWriter(str(out_dir), single_file_per_rank=False),
              planner=_ConvertOnWrite(sd), no_dist=True)
     return args
 
 
+def _initial_buffers(spec, args: Any, weights) -> dict[str, torch.Tensor]:
+    """The persistent buffers of `spec`'s model of shape `args` that `weights` lacks, at their initial
+    values (`init_buffers`), built on the meta device (no weight is allocated)."""
+    with torch.device("meta"):
+        model = spec.model_cls(args, rope_len=1)
+    model.init_buffers(device="cpu")
+    params = {name for name, _ in model.named_parameters(remove_duplicate=False)}
+    return {name: t for name, t in model.state_dict().items() if name not in params and name not in weights}
+
+
 class _ConvertOnWrite(DefaultSavePlanner):
     """Hands the writer each model weight of `weights` in trainlib's layout,
     converted when asked for from the stored tensor the planned state dict
-    holds (same shape and dtype; its file is not opened again)."""
+    holds (same shape and dtype; its file is not opened again), or, planned
+    on a meta tensor (a stacked weight), read when asked for."""
 
     def __init__(self, weights: HFWeights):
         super().__init__()
@@ -65,7 +81,7 @@ class _ConvertOnWrite(DefaultSavePlanner):
         stored = super().lookup_object(index)
         name = index.fqn.removeprefix("model.")
         if index.fqn.startswith("model.") and name in self._weights:
-            return self._weights.convert(name, stored)
+            return self._weights.convert(name, self._weights.stored(name) if stored.is_meta else stored)
         return stored
 
 

@@ -38,9 +38,18 @@ def spec_of_args(args: Any) -> ModelSpec:
 
 
 def args_from_dict(d: dict, spec: ModelSpec) -> Any:
-    """`spec`'s args from a dict of their fields (a checkpoint's trainer.model_args); unknown keys are ignored."""
+    """`spec`'s args from a dict of their fields (a checkpoint's trainer.model_args); unknown keys are ignored.
+    A field that holds a dataclass (an MoE family's `moe`) comes back from DCP flattened, as `field.key`
+    entries: they are regrouped into one dict for that field, which the args type takes."""
+    grouped: dict[str, Any] = {}
+    for k, v in d.items():
+        field_name, dot, key = k.partition(".")
+        if dot:
+            grouped.setdefault(field_name, {})[key] = v
+        else:
+            grouped[k] = v
     names = {f.name for f in fields(spec.args_type)}
-    return spec.args_type(**{k: v for k, v in d.items() if k in names})
+    return spec.args_type(**{k: v for k, v in grouped.items() if k in names})
 
 
 def spec_of_hf_config(cfg: dict, path: str | os.PathLike = "config.json") -> ModelSpec:
@@ -127,12 +136,41 @@ class HFWeights(LazyWeights):
     def stored(self, name: str) -> torch.Tensor:
         """Weight `name` as the file stores it (HF's layout), memory-mapped:
         its pages are read when touched. Same shape and dtype as `self[name]`
-        (the rotary permutation moves rows within a head)."""
+        (the rotary permutation moves rows within a head). A weight the
+        adapter names by a tuple of HF names (an MoE layer's experts, one
+        tensor each in HF's files) is theirs stacked on a new first
+        dimension in that order: a copy, of that one weight."""
         from safetensors import safe_open
 
         theirs = self._names[name]
-        with safe_open(str(self._file_of[theirs]), framework="pt") as handle:
-            return handle.get_tensor(theirs)
+        if isinstance(theirs, str):
+            with safe_open(str(self._file_of[theirs]), framework="pt") as handle:
+                return handle.get_tensor(theirs)
+        by_file: dict[Path, list[tuple[int, str]]] = {}
+        for i, part in enumerate(theirs):
+            by_file.setdefault(self._file_of[part], []).append((i, part))
+        out = None
+        for file, parts in by_file.items():
+            with safe_open(str(file), framework="pt") as handle:
+                for i, part in parts:
+                    t = handle.get_tensor(part)
+                    if out is None:
+                        out = torch.empty((len(theirs), *t.shape), dtype=t.dtype)
+                    out[i] = t
+        return out
+
+    def planned(self, name: str) -> torch.Tensor:
+        """What a save can be planned on for weight `name` without reading it:
+        `stored(name)` (mapped), or for a stacked weight a meta tensor of its
+        shape and dtype (`stored` would stack a copy)."""
+        from safetensors import safe_open
+
+        theirs = self._names[name]
+        if isinstance(theirs, str):
+            return self.stored(name)
+        with safe_open(str(self._file_of[theirs[0]]), framework="pt") as handle:
+            piece = handle.get_tensor(theirs[0])
+        return torch.empty((len(theirs), *piece.shape), dtype=piece.dtype, device="meta")
 
     def row_order(self, name: str) -> torch.Tensor | None:
         """Which stored row each of `self[name]`'s rows is (None: the same)."""
@@ -195,8 +233,14 @@ def write_hf_folder(sd: Mapping[str, torch.Tensor], args: Any, out_dir: str | os
     weight_map, total = {}, 0
     for file_name, file in zip(file_names, files):
         tensors = sd.read_many(file) if hasattr(sd, "read_many") else {name: sd[name] for name in file}
-        hf = {hf_name[name]: adapter.trainlib_weight_to_hf(name, t.to(out_dtype), args).contiguous()
-              for name, t in tensors.items()}
+        hf = {}
+        for name, t in tensors.items():
+            t, theirs = adapter.trainlib_weight_to_hf(name, t.to(out_dtype), args), hf_name[name]
+            if isinstance(theirs, str):
+                hf[theirs] = t.contiguous()
+            else:  # one HF tensor per slice of the first dimension (an MoE layer's experts), each a
+                # clone: safetensors refuses tensors that share memory
+                hf.update(zip(theirs, (piece.clone() for piece in t.unbind(0)), strict=True))
         del tensors
         save_file(hf, str(out / file_name), metadata={"format": "pt"})
         weight_map.update(dict.fromkeys(hf, file_name))

@@ -12,7 +12,7 @@ import difflib
 from typing import Any
 
 from trainlib.errors import ConfigError
-from trainlib.models import llama3, qwen3
+from trainlib.models import llama3, qwen3, qwen3_moe
 from trainlib.models.spec import ModelSpec
 
 # The family of a recipe that names none (model.name's default).
@@ -21,6 +21,7 @@ DEFAULT_MODEL = llama3.SPEC.name
 MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (
     llama3.SPEC,
     qwen3.SPEC,
+    qwen3_moe.SPEC,
 )}
 
 

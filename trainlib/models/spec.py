@@ -77,7 +77,9 @@ class ModelSpec:
                         checkpointing reruns is counted from it
     block_shapes        (args) -> one BlockShape per block, in order: what the planner prices each block by
     state_dict_adapter  module mapping names, layouts and config.json to and from Hugging Face
-                        (`ARCHITECTURES`: the config.json architectures it reads)
+                        (`ARCHITECTURES`: the config.json architectures it reads); a weight HF stores as one
+                        tensor per slice of its first dimension (an MoE layer's experts) it names by the tuple
+                        of their HF names, in order (trainlib.checkpoint.hf stacks and splits them)
     """
 
     name: str

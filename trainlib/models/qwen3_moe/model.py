@@ -1,0 +1,251 @@
+"""Qwen3-MoE as plain single-device PyTorch.
+
+Qwen3 dense's attention (QK-norm, rotate-half RoPE, head_dim its own
+setting: `trainlib.models.qwen3.model`) with the gated MLP of most blocks
+replaced by a Mixture-of-Experts feed-forward (`trainlib.models.moe.MoE`):
+a softmax router picks `top_k` of `n_experts` SwiGLU experts per token and
+renormalises their weights to sum to 1 (Qwen3-MoE's `norm_topk_prob`).
+
+Blocks: the first `n_dense_layers` are Qwen3's dense block
+(`layers.TransformerBlock`, its MLP `feed_forward`); the rest are `MoEBlock`s
+(their MoE `moe`). The published flavors have no dense blocks; Hugging Face
+states dense blocks as `mlp_only_layers` (see state_dict_adapter.py).
+
+The layout rules of the dense families hold (blocks in an `nn.ModuleDict`
+keyed by global index; `tok_embeddings`, `norm`, `output` may be None on
+pipeline stages; nothing here imports torch.distributed).
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass, replace
+
+import torch
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask
+
+from trainlib.errors import ConfigError
+from trainlib.models import layers
+from trainlib.models.layers import RMSNorm
+from trainlib.models.moe import MoE, MoEArgs
+from trainlib.models.qwen3.model import Attention, apply_rope, precompute_rope
+from trainlib.models.spec import BlockShape
+
+__all__ = ["FLAVORS", "Attention", "MoEArgs", "MoEBlock", "ModelArgs", "Transformer", "active_params_per_block",
+           "apply_rope", "block_forward_flops", "block_shapes", "flops_per_token", "get_model_args",
+           "precompute_rope"]
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    dim: int
+    n_layers: int
+    n_heads: int
+    n_kv_heads: int
+    head_dim: int
+    ffn_dim: int  # the dense first blocks' MLP width (Hugging Face's intermediate_size)
+    vocab_size: int
+    moe: MoEArgs
+    norm_eps: float = 1e-6
+    rope_theta: float = 1000000.0
+    max_seq_len: int = 40960
+    tie_embeddings: bool = False
+    n_dense_layers: int = 0  # blocks 0 .. n_dense_layers - 1 have a dense MLP, the rest an MoE
+
+    def __post_init__(self) -> None:
+        # A checkpoint records the args as a dict of their fields (dataclasses.asdict), `moe` as a dict.
+        if isinstance(self.moe, dict):
+            object.__setattr__(self, "moe", MoEArgs(**self.moe))
+
+    def validate(self) -> None:
+        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "max_seq_len"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"model.{key} must be >= 1, got {getattr(self, key)}")
+        if self.n_heads % self.n_kv_heads:
+            divisors = ", ".join(str(d) for d in range(1, self.n_heads + 1) if self.n_heads % d == 0)
+            raise ConfigError(f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads "
+                              f"({self.n_kv_heads}) for grouped-query attention: set n_kv_heads to one of "
+                              f"{divisors}")
+        if self.head_dim % 2:
+            raise ConfigError(f"model.head_dim ({self.head_dim}) must be even for rotary embeddings, which "
+                              f"rotate pairs of features: set an even head_dim (e.g. {self.head_dim + 1})")
+        if not self.norm_eps > 0:
+            raise ConfigError(f"model.norm_eps must be > 0, got {self.norm_eps} (Qwen3 uses 1e-6)")
+        if not self.rope_theta > 0:
+            raise ConfigError(f"model.rope_theta must be > 0, got {self.rope_theta} (Qwen3 uses 1e6)")
+        if not 0 <= self.n_dense_layers <= self.n_layers:
+            raise ConfigError(f"model.n_dense_layers ({self.n_dense_layers}) must be between 0 and model.n_layers "
+                              f"({self.n_layers}): the first n_dense_layers blocks are dense, the rest MoE")
+        self.moe.validate()
+
+
+# Published shapes, from the config.json of Qwen/Qwen3-30B-A3B and Qwen/Qwen3-235B-A22B on the Hugging
+# Face hub: hidden_size (dim), num_hidden_layers, num_attention_heads, num_key_value_heads, head_dim,
+# intermediate_size (ffn_dim, the width a dense block would have; no published block is dense:
+# mlp_only_layers [] and decoder_sparse_step 1), num_experts, num_experts_per_tok (top_k),
+# moe_intermediate_size (expert_dim), vocab_size 151936, norm_topk_prob true (route_norm), rope_theta 1e6,
+# max_position_embeddings 40960, rms_norm_eps 1e-6, untied embeddings. The model cards give 30.5B total /
+# 3.3B activated and 235B total / 22B activated parameters (tests/unit/test_qwen3_moe.py checks them).
+# `debug_moe` is ours: it trains in seconds on CPU and keeps what the code paths need to see: GQA,
+# head_dim != dim / n_heads, a dense first block before the MoE ones, top-2 of 8 experts. `debug` is the
+# same shape, under the name every family's smallest flavor has (tests/unit/test_model_contract.py).
+_DEBUG = dict(dim=64, n_layers=4, n_heads=4, n_kv_heads=2, head_dim=32, ffn_dim=192, vocab_size=512,
+              max_seq_len=4096, moe=MoEArgs(n_experts=8, top_k=2, expert_dim=32), n_dense_layers=1)
+FLAVORS: dict[str, ModelArgs] = {
+    "debug_moe": ModelArgs(**_DEBUG),
+    "debug": ModelArgs(**_DEBUG),
+    "qwen3_30b_a3b": ModelArgs(
+        dim=2048, n_layers=48, n_heads=32, n_kv_heads=4, head_dim=128, ffn_dim=6144, vocab_size=151936,
+        moe=MoEArgs(n_experts=128, top_k=8, expert_dim=768),
+    ),
+    "qwen3_235b_a22b": ModelArgs(
+        dim=4096, n_layers=94, n_heads=64, n_kv_heads=4, head_dim=128, ffn_dim=12288, vocab_size=151936,
+        moe=MoEArgs(n_experts=128, top_k=8, expert_dim=1536),
+    ),
+}
+
+
+def get_model_args(flavor: str, **overrides) -> ModelArgs:
+    if flavor not in FLAVORS:
+        close = difflib.get_close_matches(flavor, FLAVORS, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"unknown model.flavor '{flavor}' for model.name 'qwen3_moe'{hint} "
+                          f"(valid: {', '.join(FLAVORS)})")
+    args = replace(FLAVORS[flavor], **{k: v for k, v in overrides.items() if v is not None})
+    args.validate()
+    return args
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm block: Qwen3's attention and an MoE feed-forward, each behind an RMSNorm and a residual add."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.moe = MoE(args.dim, args.moe)
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+                ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, mask)
+        return x + self.moe(self.ffn_norm(x))
+
+
+class Transformer(layers.DecoderLM):
+    """Qwen3-MoE: `layers.DecoderLM` with Qwen3's attention, dense blocks first, then MoE blocks.
+
+    `DecoderLM.__init__` builds one block per `make_block(args)` call, which cannot tell a dense block
+    from an MoE one; here it builds placeholders and `__init__` puts each index's block (`block(args, i)`)
+    in their place, in the same `layers` ModuleDict (same keys, same position among the root modules)."""
+
+    @staticmethod
+    def make_block(args: ModelArgs) -> nn.Module:
+        return nn.Identity()  # replaced in __init__ by block(args, i)
+
+    @staticmethod
+    def block(args: ModelArgs, index: int) -> nn.Module:
+        if index < args.n_dense_layers:
+            return layers.TransformerBlock(args.dim, args.ffn_dim, args.norm_eps, Attention(args))
+        return MoEBlock(args)
+
+    rope_table = staticmethod(precompute_rope)
+
+    def __init__(self, args: ModelArgs, rope_len: int | None = None):
+        super().__init__(args, rope_len)
+        self.layers = nn.ModuleDict({str(i): self.block(args, i) for i in range(args.n_layers)})
+
+    def moe_modules(self) -> list[MoE]:
+        """The MoE feed-forwards of the blocks this module holds (a pipeline stage holds some)."""
+        return [m for m in self.modules() if isinstance(m, MoE)]
+
+    def init_buffers(self, device: torch.device | str | None = None) -> None:
+        super().init_buffers(device)
+        for moe in self.moe_modules():
+            moe.init_buffers(device)
+
+    def param_init_spec(self, name: str) -> tuple[str, float]:
+        """DecoderLM's, except inside an MoE (`layers.<i>.moe.<rest>`): the MoE's own
+        (`MoE.param_init_spec`): router gate and experts' w1/w3 trunc_normal 0.02, the experts' w2 (the
+        residual-branch output) depth-scaled 0.02 / sqrt(2 * n_layers)."""
+        if name.startswith("layers.") and ".moe." in name:
+            index, rest = name.split(".")[1], name.split(".moe.", 1)[1]
+            moe = next(m for m in self.layers[index].modules() if isinstance(m, MoE))
+            return moe.param_init_spec(rest, self.args.n_layers)
+        return super().param_init_spec(name)
+
+
+# --------------------------------------------------------------------------- FLOPs and shapes
+
+
+def _attention_ops(args: ModelArgs, seq_len: int) -> list[tuple[str, float, bool]]:
+    hd, d = args.head_dim, args.dim
+    return [("wq", 2 * d * args.n_heads * hd, True), ("wk", 2 * d * args.n_kv_heads * hd, True),
+            ("wv", 2 * d * args.n_kv_heads * hd, True), ("attention", 4 * args.n_heads * hd * seq_len, False),
+            ("wo", 2 * args.n_heads * hd * d, True)]
+
+
+def _dense_ffn_ops(args: ModelArgs) -> list[tuple[str, float, bool]]:
+    d, f = args.dim, args.ffn_dim
+    return [("w1", 2 * d * f, True), ("w3", 2 * d * f, True), ("w2", 2 * f * d, True)]
+
+
+def _moe_ffn_ops(args: ModelArgs) -> list[tuple[str, float, bool]]:
+    m, d = args.moe, args.dim
+    ops = [("router", 2 * d * m.n_experts, True), ("experts", 2 * 3 * d * m.expert_dim * m.top_k, True)]
+    if m.n_shared_experts:
+        ops.append(("shared_experts", 2 * 3 * d * m.expert_dim * m.n_shared_experts, True))
+    return ops
+
+
+def block_forward_flops(args: ModelArgs, seq_len: int) -> list[tuple[str, float, bool]]:
+    """The average block's forward FLOPs per token, op by op in the order forward runs them: (name, FLOPs,
+    is a matmul). Attention's ops as Qwen3's (wq, wk, wv, "attention" = 4 * heads * head_dim * seq, wo),
+    then the feed-forward, counting the parameters a token ACTIVATES, 2 FLOPs each:
+      MoE block    router 2 * dim * n_experts, experts 2 * 3 * dim * expert_dim * top_k (the top_k routed
+                   experts' w1, w3, w2), shared_experts 2 * 3 * dim * expert_dim * n_shared_experts (if any)
+      dense block  w1, w3, w2: 2 * dim * ffn_dim each
+    The contract prices every block by one list, and this family's blocks differ: each feed-forward op is
+    weighted by the share of blocks that run it (dense ops by n_dense_layers / n_layers, MoE ops by the rest;
+    ops of weight 0 are left out), so n_layers x this list is the model's blocks exactly (what the planner
+    multiplies it by) and, for the published flavors (no dense block), it is the MoE block's list."""
+    n_dense, n = args.n_dense_layers, args.n_layers
+    ops = _attention_ops(args, seq_len)
+    if n_dense:
+        ops += [(name, flops * n_dense / n, mm) for name, flops, mm in _dense_ffn_ops(args)]
+    if n_dense < n:
+        ops += [(name, flops * (n - n_dense) / n, mm) for name, flops, mm in _moe_ffn_ops(args)]
+    return ops
+
+
+def block_shapes(args: ModelArgs) -> list[BlockShape]:
+    """Every block's shape, for the planner: ffn_dim is the dense blocks' MLP width, and for an MoE block
+    the hidden width a token activates, top_k * expert_dim + n_shared_experts * expert_dim (what its
+    activations scale with; its parameters are n_experts / top_k times more)."""
+    m = args.moe
+    active = (m.top_k + m.n_shared_experts) * m.expert_dim
+    return [BlockShape(args.dim, args.n_heads, args.n_kv_heads, args.head_dim,
+                       args.ffn_dim if i < args.n_dense_layers else active) for i in range(args.n_layers)]
+
+
+def active_params_per_block(args: ModelArgs, index: int) -> int:
+    """Matmul parameters block `index` applies to one token (norms left out): attention's projections,
+    then the dense MLP, or the router, top_k routed experts and the shared experts."""
+    ops = _attention_ops(args, 1) + (_dense_ffn_ops(args) if index < args.n_dense_layers else _moe_ffn_ops(args))
+    return sum(flops for _, flops, mm in ops if mm) // 2
+
+
+def flops_per_token(args: ModelArgs, seq_len: int) -> float:
+    """Training FLOPs per token (forward + backward = 3x forward), counting ACTIVE parameters:
+        3 * (sum over blocks of 2 * active_params_per_block + n_layers * 4 * n_heads * head_dim * seq_len
+             + 2 * vocab_size * dim)
+    where an MoE block's active matmul parameters are attention's (dim * head_dim * (2 * n_heads +
+    2 * n_kv_heads)), the router's (dim * n_experts) and 3 * dim * expert_dim * (top_k + n_shared_experts)
+    for the experts a token goes through; a dense block's MLP is 3 * dim * ffn_dim. The output projection
+    is the last term; the embedding is a lookup. Causal masking is not discounted (the PaLM-appendix
+    convention), as for the dense families. Equals 3 * (n_layers * sum(block_forward_flops) + 2 * vocab *
+    dim) (block_forward_flops is the average block)."""
+    blocks = sum(2 * active_params_per_block(args, i) for i in range(args.n_layers))
+    attention = args.n_layers * 4 * args.n_heads * args.head_dim * seq_len
+    return 3 * (blocks + attention + 2 * args.vocab_size * args.dim)
