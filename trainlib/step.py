@@ -98,10 +98,10 @@ class StepRunner:
             stats[i, :m.args.n_experts], stats[i, -4:] = row[:-4], row[-4:]
         if dist.is_initialized() and dist.get_world_size() > 1:
             # one all-reduce over every rank: pipeline stages hold disjoint layers (zero rows elsewhere),
-            # data and context ranks disjoint tokens; tensor-parallel ranks route the same tokens
+            # data, context and tensor-parallel ranks route disjoint tokens (TP splits them, parallel.tp.moe_style)
             stats = stats.reshape(-1).contiguous()
             dist.all_reduce(stats)
-            stats = stats.view(n_layers, width) / self.dims.tp
+            stats = stats.view(n_layers, width)
         return stats
 
     def _moe_aux(self) -> dict:

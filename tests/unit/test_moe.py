@@ -192,3 +192,14 @@ def test_bad_moe_settings_are_config_errors():
         MoEConfig(capacity_factor=-1)
     with pytest.raises(ConfigError, match="load_balance"):
         MoEConfig(load_balance="aux")
+
+
+def test_pipeline_stage_metadata_inference_is_where_trainlib_expects_it():
+    """trainlib.parallel.pp leaves torch's stage metadata inference out of the routing counts by overriding
+    this method; a torch that renames it would count placeholder forwards silently."""
+    from torch.distributed.pipelining import PipelineStage
+
+    from trainlib.parallel.pp import _Stage
+
+    assert "_forward_metadata_inference" in vars(PipelineStage)
+    assert "_forward_metadata_inference" in vars(_Stage)

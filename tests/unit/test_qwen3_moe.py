@@ -285,17 +285,21 @@ def test_flops_count_the_parameters_a_token_activates(shared):
 
 
 @pytest.mark.parametrize("degrees,message", [
-    ({"tp": 2}, r"^parallelism.tp \(2\) > 1 with Qwen3-MoE: tensor parallel for MoE blocks arrives with expert "
-                r"parallel; set parallelism.tp = 1"),
-    ({"ep": 4, "dp_shard": 4}, r"^parallelism.ep \(4\) > 1 \(expert parallel\) is not built yet for Qwen3-MoE; set "
-                               r"parallelism.ep = 1"),
+    ({"ep": 3, "dp_shard": 3}, r"^parallelism.ep \(3\) must divide the number of experts \(8\).*pick ep among 1, 2, "
+                               r"4, 8$"),
+    ({"tp": 3}, r"^model n_heads \(4\) must be divisible by parallelism.tp \(3\)"),
+    ({"tp": 2}, None),  # seq_len 255 below
 ])
-def test_degrees_not_built_yet_are_refused_in_one_line(degrees, message):
+def test_bad_degrees_are_refused_in_one_line(degrees, message):
     args = get_model_args("debug_moe")
+    if message is None:
+        with pytest.raises(ConfigError, match=r"^training.seq_len \(255\) must be divisible by parallelism.tp \(2\)"):
+            SPEC.validate(args, degrees, 255)
+        return
     with pytest.raises(ConfigError, match=message) as e:
         SPEC.validate(args, degrees, 256)
     assert "\n" not in str(e.value)
-    validate_degrees(args, {"dp_shard": 4, "pp": 2, "cp": 2, "tp": 1, "ep": 1}, 256)  # what runs
+    validate_degrees(args, {"dp_shard": 4, "pp": 2, "cp": 2, "tp": 2, "ep": 8}, 256)  # what runs
     tied = dataclasses.replace(args, tie_embeddings=True)
     with pytest.raises(ConfigError, match=r"^this Qwen3-MoE flavor ties the embedding .*\(pp=2\); use pp=1"):
         validate_degrees(tied, {"pp": 2}, 256)

@@ -213,7 +213,10 @@ def _validate_moe(cfg: JobConfig, dims: ParallelDims, model_args) -> None:
         if on:
             raise ConfigError(f"{key} = true with MoE blocks ({cfg.model.name} {cfg.model.flavor}) is not built yet: "
                               f"the router and grouped experts run eager in their own precision; set {key} = false")
-    if cfg.moe.seq_aux_loss_coef and dims.cp > 1:
+    split = {name: size for name, size in (("cp", dims.cp), ("tp", dims.tp)) if size > 1}
+    if cfg.moe.seq_aux_loss_coef and split:
+        what = " and ".join(f"{n}={v}" for n, v in split.items())
         raise ConfigError(f"moe.seq_aux_loss_coef ({cfg.moe.seq_aux_loss_coef:g}) balances each whole sequence, "
-                          f"which context parallel (cp={dims.cp}) splits over ranks; set moe.seq_aux_loss_coef = 0 "
-                          f"(the expert bias balances under any layout) or parallelism.cp = 1")
+                          f"which {what} splits over ranks (MoE blocks route each rank's share of it); set "
+                          f"moe.seq_aux_loss_coef = 0 (the expert bias balances under any layout) or "
+                          f"{' and '.join(f'parallelism.{n} = 1' for n in split)}")

@@ -37,7 +37,7 @@ parallelism this rank's share), so drops depend on the layout.
 
 Counting survives activation checkpointing: a forward rerun inside backward
 (`torch._C._current_graph_task_id() != -1`) routes the same tokens again and
-is not counted twice.
+is not counted twice; nor is a pipeline stage's shape inference (`uncounted`).
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ from torch import nn
 
 from trainlib.errors import ConfigError
 
-__all__ = ["GroupedExperts", "MoE", "MoEArgs", "MoEConfig", "Router", "aux_loss_scale", "moe_layers"]
+__all__ = ["GroupedExperts", "MoE", "MoEArgs", "MoEConfig", "Router", "aux_loss_scale", "moe_layers", "uncounted"]
 
 
 @dataclass(frozen=True)
@@ -144,6 +144,24 @@ class _AddAuxiliaryLoss(torch.autograd.Function):
         return grad, torch.ones((), dtype=dtype, device=device)
 
 
+_COUNTING = [True]
+
+
+@contextlib.contextmanager
+def uncounted():
+    """Forwards in this context route as usual but leave the routing statistics alone: a pipeline stage's
+    metadata inference (a forward on placeholder inputs before its first micro-batch) is not training."""
+    _COUNTING.append(False)
+    try:
+        yield
+    finally:
+        _COUNTING.pop()
+
+
+def _counted() -> bool:
+    return _COUNTING[-1] and not _recomputing()
+
+
 def _recomputing() -> bool:
     # Inside backward (activation checkpointing's rerun) autograd runs a graph task.
     return torch._C._current_graph_task_id() != -1
@@ -155,13 +173,14 @@ class Router(nn.Module):
         super().__init__()
         self.args = args
         self.gate = nn.Linear(dim, args.n_experts, bias=False)
+        self.param_view = None  # set by tensor/expert parallel: a sharded or replicated weight -> its local tensor
 
     def forward(self, x: torch.Tensor, bias: torch.Tensor | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """x: [T, dim]. Returns (top_idx [T, k] int64, weights [T, k] fp32, scores [T, E] fp32,
         logits [T, E] fp32)."""
         a = self.args
-        logits = F.linear(x.float(), self.gate.weight.float())
+        logits = F.linear(x.float(), _view(self, self.gate.weight).float())
         scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
         ranked = scores.detach() if bias is None else scores.detach() + bias
         if a.n_groups > 1:
@@ -189,6 +208,7 @@ class GroupedExperts(nn.Module):
         self.grouped_mm = True
         # Set by expert parallel (trainlib.parallel.ep): moves the rows to their experts' ranks and back.
         self.dispatcher = None
+        self.param_view = None  # set by tensor/expert parallel: a sharded or replicated weight -> its local tensor
 
     def forward(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """x: [N, dim], rows sorted by expert, counts[e] of them for expert e. Returns [N, dim]."""
@@ -198,9 +218,7 @@ class GroupedExperts(nn.Module):
 
     def local(self, x: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """The experts this rank holds on rows sorted by them (counts: one per expert held)."""
-        w1, w2, w3 = self.w1, self.w2, self.w3
-        if hasattr(w1, "to_local"):  # sharded over expert parallel: this rank's experts
-            w1, w2, w3 = w1.to_local(), w2.to_local(), w3.to_local()
+        w1, w2, w3 = (_view(self, w) for w in (self.w1, self.w2, self.w3))
         if self.grouped_mm and _grouped_mm_ok(x, w1):
             offs = counts.cumsum(0).to(torch.int32)
             h = F.silu(_gmm(x, w1, offs)) * _gmm(x, w3, offs)
@@ -218,6 +236,11 @@ class GroupedExperts(nn.Module):
                 out[start:start + n] = (F.silu(xe @ w1[e].T) * (xe @ w3[e].T)) @ w2[e].T
             start += n
         return out
+
+
+def _view(module: nn.Module, weight: torch.Tensor) -> torch.Tensor:
+    # The parallel code that shards or replicates a weight says how this rank computes with it.
+    return weight if module.param_view is None else module.param_view(weight)
 
 
 def _grouped_mm_ok(x: torch.Tensor, w: torch.Tensor) -> bool:
@@ -249,9 +272,11 @@ class _SharedExperts(nn.Module):
         self.w1 = nn.Linear(dim, hidden, bias=False)
         self.w3 = nn.Linear(dim, hidden, bias=False)
         self.w2 = nn.Linear(hidden, dim, bias=False)
+        self.param_view = None  # set by tensor parallel, as Router's
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        w1, w2, w3 = (_view(self, lin.weight) for lin in (self.w1, self.w2, self.w3))
+        return F.linear(F.silu(F.linear(x, w1)) * F.linear(x, w3), w2)
 
 
 # ----------------------------------------------------------------- the block
@@ -312,8 +337,7 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             y = y + self.shared_experts(xf)
 
-        recomputing = _recomputing()
-        if not recomputing:
+        if _counted():
             with torch.no_grad():
                 self.tokens_per_expert += assigned.to(self.tokens_per_expert.dtype)
                 self.stats[0] += assigned.sum() - counts.sum()
@@ -343,7 +367,7 @@ class MoE(nn.Module):
             terms.append(cfg.z_loss_coef * torch.logsumexp(logits, -1).square().sum() * scale)
         else:
             terms.append(scores.new_zeros(()))
-        if not _recomputing():
+        if _counted():
             with torch.no_grad():
                 self.stats[2:] += torch.stack(terms).detach()
         return terms[0] + terms[1]

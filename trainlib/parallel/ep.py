@@ -31,7 +31,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import Shard, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from trainlib.models.moe import GroupedExperts
 
@@ -42,10 +42,16 @@ def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:
     for module in model.modules():
         if isinstance(module, GroupedExperts):
             for name, param in list(module.named_parameters(recurse=False)):
-                module.register_parameter(name, nn.Parameter(distribute_tensor(param.data, ep_mesh, [Shard(0)]),
+                full = param.to_local().detach() if isinstance(param, DTensor) else param.data  # replicated over tp before
+                module.register_parameter(name, nn.Parameter(distribute_tensor(full, ep_mesh, [Shard(0)]),
                                                              requires_grad=param.requires_grad))
             module.dispatcher = AllToAllDispatch(ep_mesh)
+            module.param_view = _local  # this rank's experts; their gradients are whole (tokens came to them)
     return model
+
+
+def _local(weight: DTensor) -> torch.Tensor:
+    return weight.to_local()
 
 
 class AllToAllDispatch:

@@ -38,6 +38,7 @@ from torch.distributed.pipelining import (
 
 from trainlib.errors import ConfigError
 from trainlib.loss import cross_entropy_sum
+from trainlib.models.moe import uncounted
 from trainlib.models.spec import StageRoots
 
 SCHEDULES = {
@@ -108,6 +109,16 @@ def split_stage(model: nn.Module, first_layer: int, n_layers: int, is_first: boo
     # themselves (shared) or to None (not on this stage).
     memo = {id(getattr(model, name)): module for name, module in owned.items()}
     return copy.deepcopy(model, memo)
+
+
+class _Stage(PipelineStage):
+    """A PipelineStage whose metadata inference (torch runs the stage's forward on placeholder inputs before
+    its first micro-batch) leaves MoE routing statistics alone: they feed the expert bias, which must see
+    the global batch's tokens only (tests/e2e/test_moe.py's pp=2 parity fails without this)."""
+
+    def _forward_metadata_inference(self, *args, **kwargs):
+        with uncounted():
+            return super()._forward_metadata_inference(*args, **kwargs)
 
 
 @dataclass
@@ -221,7 +232,7 @@ def pipeline_stages(
         part = split_stage(model, starts[sid], layer_counts[sid], sid == 0, sid == n_stages - 1, roots)
         part = parallelize(part)
         parts.append(part)
-        stages.append(PipelineStage(part, sid, n_stages, device, group=pp_mesh.get_group()))
+        stages.append(_Stage(part, sid, n_stages, device, group=pp_mesh.get_group()))
     owners = {sid: rank for rank in range(pp) for sid in stage_ids(rank, pp, n_stages_per_rank, schedule)}
     pipe = Pipeline(None, stages, parts, has_first=any(s.is_first for s in stages),
                     has_last=any(s.is_last for s in stages), n_microbatches=n_microbatches,

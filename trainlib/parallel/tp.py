@@ -26,11 +26,12 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Replicate, Shard, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Placement, Replicate, Shard, distribute_module, distribute_tensor
 from torch.distributed.tensor.parallel import (
     ColwiseParallel,
     ParallelStyle,
     PrepareModuleInput,
+    PrepareModuleInputOutput,
     RowwiseParallel,
     SequenceParallel,
     parallelize_module,
@@ -67,8 +68,9 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, *, async_tp: b
     root = {path: style for path, style in plan.root.items() if _has_module(model, path)}
     if root:
         parallelize_module(model, tp_mesh, root)
-    for block in model.layers.values():
-        parallelize_module(block, tp_mesh, plan.block)
+    for block in model.layers.values():  # blocks may differ (dense and MoE): each takes the entries it has
+        parallelize_module(block, tp_mesh, {path: style for path, style in plan.block.items()
+                                            if _has_module(block, path)})
     retie(model, tied)
     if async_tp:
         _enable_async_tp(tp_mesh)
@@ -116,6 +118,42 @@ def block_input_style(sequence_parallel: bool, n_args: int = 1) -> ParallelStyle
     rest = (None,) * (n_args - 1)
     return PrepareModuleInput(input_layouts=(activation_layout(sequence_parallel), *rest),
                               desired_input_layouts=(Replicate(), *rest))
+
+
+def moe_style(sequence_parallel: bool) -> ParallelStyle:
+    """An MoE feed-forward (trainlib.models.moe.MoE) under TP: the tokens are split over tp (this rank's
+    sequence shard, whether or not SP holds the residual stream that way), so each rank routes and runs
+    the experts for distinct tokens, and expert parallel may borrow tp's ranks. The router's and shared
+    experts' weights (and the routed experts' until expert parallel shards them) are replicated DTensors
+    whose gradients, each rank's tokens' share, are pending sums over tp."""
+    return _TokenSplitMoE(activation_layout(sequence_parallel))
+
+
+class _TokenSplitMoE(ParallelStyle):
+    def __init__(self, act: Placement):
+        super().__init__()
+        self.act = act
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        for sub in module.modules():
+            if hasattr(sub, "param_view"):  # the MoE parts that compute with their own weights
+                for name, p in list(sub.named_parameters(recurse=False)):
+                    sub.register_parameter(name, nn.Parameter(distribute_tensor(p.data, device_mesh, [Replicate()]),
+                                                              requires_grad=p.requires_grad))
+                for lin in sub.children():  # shared experts keep their weights in nn.Linear children
+                    for name, p in list(lin.named_parameters(recurse=False)):
+                        lin.register_parameter(name, nn.Parameter(
+                            distribute_tensor(p.data, device_mesh, [Replicate()]), requires_grad=p.requires_grad))
+                sub.param_view = _partial_grad_view
+        return PrepareModuleInputOutput(
+            input_layouts=(self.act,), desired_input_layouts=(Shard(1),), use_local_input=True,
+            output_layouts=(Shard(1),), desired_output_layouts=(self.act,), use_local_output=True,
+        )._apply(module, device_mesh)
+
+
+def _partial_grad_view(weight: DTensor) -> torch.Tensor:
+    # This rank's tokens give a share of a replicated weight's gradient: a pending sum over tp.
+    return weight.to_local(grad_placements=[Partial() if p.is_replicate() else p for p in weight.placements])
 
 
 class _ReplicatedNorm(ParallelStyle):

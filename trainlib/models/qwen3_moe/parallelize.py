@@ -1,14 +1,11 @@
-"""Qwen3-MoE's parallel plan: the fixed dense order of
-`trainlib.parallel.apply.parallelize_dense` (TP, CP, AC, compile, FSDP;
-pipeline stages are split before, each stage parallelized alike).
+"""Qwen3-MoE's parallel plan: the fixed order of `trainlib.parallel.apply.parallelize_dense` (TP, CP,
+AC, compile, EP, FSDP; pipeline stages are split before, each stage parallelized alike).
 
-FSDP/HSDP, pipeline and context parallel run as for the dense families: FSDP
-shards each block's parameters, the experts' [n_experts, ...] weights on their
-first dimension like any other. Tensor parallel for the MoE blocks arrives
-with expert parallel (`validate_degrees` refuses tp > 1 and ep > 1 until
-then); the TP plan below exists for the contract and covers attention, the
-norms, the root modules and the dense first blocks' MLP (Qwen3's plan).
-"""
+Attention, the norms, the root modules and the dense first blocks' MLP take Qwen3's TP plan. The MoE
+feed-forward runs on this rank's sequence shard under TP (`moe_style`): each tp rank routes distinct
+tokens, so expert parallel, which borrows its ranks from dp_shard x cp x tp innermost first, may take
+tp's ranks too. Expert parallel shards the routed experts over ep and the experts' FSDP shards over
+what is left (efsdp); everything else is sharded as in a dense model."""
 
 from __future__ import annotations
 
@@ -21,7 +18,7 @@ from trainlib.models.qwen3.parallelize import tp_plan as qwen3_tp_plan
 from trainlib.parallel.apply import parallelize_dense
 from trainlib.parallel.config import ParallelismConfig
 from trainlib.parallel.parallel_dims import ParallelDims
-from trainlib.parallel.tp import TPPlan
+from trainlib.parallel.tp import TPPlan, moe_style
 
 
 def parallelize_qwen3_moe(model: nn.Module, parallel_dims: ParallelDims, parallelism: ParallelismConfig,
@@ -32,20 +29,29 @@ def parallelize_qwen3_moe(model: nn.Module, parallel_dims: ParallelDims, paralle
 
 
 def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> TPPlan:
-    """Qwen3's plan (attention with QK-norm, the dense MLP, the root modules). Not applied yet: tp > 1 is
-    refused (`validate_degrees`) until the MoE blocks' plan arrives with expert parallel."""
-    return qwen3_tp_plan(sequence_parallel, loss_parallel)
+    """Qwen3's plan (attention with QK-norm, the dense first blocks' MLP, the root modules), and the MoE
+    feed-forward on this rank's sequence shard (`moe_style`: tokens split over tp, replicated weights)."""
+    plan = qwen3_tp_plan(sequence_parallel, loss_parallel)
+    plan.block["moe"] = moe_style(sequence_parallel)
+    return plan
 
 
 def validate_degrees(args, degrees: Mapping[str, int], seq_len: int) -> None:
     """Qwen3-MoE's rules for the parallel degrees (ModelSpec.validate), each a one-line ConfigError."""
     tp, pp, ep = degrees.get("tp", 1), degrees.get("pp", 1), degrees.get("ep", 1)
     if tp > 1:
-        raise ConfigError(f"parallelism.tp ({tp}) > 1 with Qwen3-MoE: tensor parallel for MoE blocks arrives with "
-                          f"expert parallel; set parallelism.tp = 1 (FSDP/HSDP and pp shard the model meanwhile)")
-    if ep > 1:
-        raise ConfigError(f"parallelism.ep ({ep}) > 1 (expert parallel) is not built yet for Qwen3-MoE; set "
-                          f"parallelism.ep = 1 (FSDP shards the experts' weights meanwhile)")
+        for what, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads),
+                            ("ffn_dim", args.ffn_dim), ("vocab_size", args.vocab_size)):
+            if value % tp:
+                raise ConfigError(f"model {what} ({value}) must be divisible by parallelism.tp ({tp}): each TP rank "
+                                  f"owns 1/tp of them; choose tp dividing {value}")
+        if seq_len % tp:
+            raise ConfigError(f"training.seq_len ({seq_len}) must be divisible by parallelism.tp ({tp}): the MoE "
+                              f"blocks route each rank's 1/tp of the sequence; choose tp dividing {seq_len}")
+    if args.moe.n_experts % ep:
+        raise ConfigError(f"parallelism.ep ({ep}) must divide the number of experts ({args.moe.n_experts}): each EP "
+                          f"rank holds n_experts / ep of them; pick ep among "
+                          f"{', '.join(str(d) for d in range(1, args.moe.n_experts + 1) if args.moe.n_experts % d == 0)}")
     if args.tie_embeddings and pp > 1:
         raise ConfigError(
             f"this Qwen3-MoE flavor ties the embedding and output weights, which live on the first and last "
