@@ -76,32 +76,39 @@ def _sliding_layers(cfg: dict) -> list[int]:
 
 
 def args_from_hf_config(cfg: dict) -> ModelArgs:
-    model_type, archs = cfg.get("model_type"), cfg.get("architectures") or []
-    if (model_type is not None and model_type != MODEL_TYPE) or (archs and not set(archs) & set(ARCHITECTURES)):
-        raise ConfigError(f"HF config has model_type={model_type!r} architectures={archs}, not Qwen3's "
-                          f"({MODEL_TYPE!r}, {ARCHITECTURES[0]}): set model.name to the family of that "
+    return ModelArgs(**hf_attention_args(cfg, "Qwen3", MODEL_TYPE, ARCHITECTURES))
+
+
+def hf_attention_args(cfg: dict, family: str, model_type: str, architectures) -> dict:
+    """What a Qwen3-style HF config.json says of the args Qwen3's families share (widths, heads, RoPE,
+    vocabulary, norms, tied embeddings), after refusing in one line what trainlib's Qwen3 attention cannot
+    run: another model type, projection biases, sliding windows, another activation, scaled RoPE."""
+    got_type, archs = cfg.get("model_type"), cfg.get("architectures") or []
+    if (got_type is not None and got_type != model_type) or (archs and not set(archs) & set(architectures)):
+        raise ConfigError(f"HF config has model_type={got_type!r} architectures={archs}, not {family}'s "
+                          f"({model_type!r}, {architectures[0]}): set model.name to the family of that "
                           "checkpoint")
     if cfg.get("attention_bias"):
-        raise ConfigError("HF config has attention_bias=true, but trainlib's Qwen3 projections have no bias: "
+        raise ConfigError(f"HF config has attention_bias=true, but trainlib's {family} projections have no bias: "
                           "this checkpoint cannot be imported")
     sliding = _sliding_layers(cfg)
     if sliding:
         raise ConfigError(f"HF config gives {len(sliding)} layer(s) sliding-window attention "
                           f"(sliding_window={cfg.get('sliding_window')}, from layer {sliding[0]}), but trainlib's "
-                          "Qwen3 attends causally to the whole window: this checkpoint cannot be imported")
+                          f"{family} attends causally to the whole window: this checkpoint cannot be imported")
     if cfg.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"HF config has hidden_act={cfg['hidden_act']!r}, but trainlib's Qwen3 MLP is SwiGLU "
+        raise ConfigError(f"HF config has hidden_act={cfg['hidden_act']!r}, but trainlib's {family} MLP is SwiGLU "
                           "(silu): this checkpoint cannot be imported")
     # transformers 5 nests the rotary settings in `rope_parameters`; older
     # configs (all the published Qwen3 ones) give `rope_theta` and `rope_scaling`.
     rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
     rope_type = rope.get("rope_type", rope.get("type", "default"))
     if rope_type != "default":
-        raise ConfigError(f"HF config has rope_type={rope_type!r}, but trainlib's Qwen3 implements unscaled "
+        raise ConfigError(f"HF config has rope_type={rope_type!r}, but trainlib's {family} implements unscaled "
                           "RoPE only: remove rope_scaling from config.json to import the weights at their "
                           "native context length")
     theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))  # transformers' default when unstated
-    return ModelArgs(
+    return dict(
         dim=cfg["hidden_size"], n_layers=cfg["num_hidden_layers"], n_heads=cfg["num_attention_heads"],
         n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
         head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],

@@ -30,6 +30,7 @@ from trainlib.models import layers
 from trainlib.models.layers import RMSNorm
 from trainlib.models.moe import MoE, MoEArgs
 from trainlib.models.qwen3.model import Attention, apply_rope, precompute_rope
+from trainlib.models.qwen3.model import ModelArgs as Qwen3Args
 from trainlib.models.spec import BlockShape
 
 __all__ = ["FLAVORS", "Attention", "MoEArgs", "MoEBlock", "ModelArgs", "Transformer", "active_params_per_block",
@@ -59,21 +60,7 @@ class ModelArgs:
             object.__setattr__(self, "moe", MoEArgs(**self.moe))
 
     def validate(self) -> None:
-        for key in ("dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_dim", "vocab_size", "max_seq_len"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"model.{key} must be >= 1, got {getattr(self, key)}")
-        if self.n_heads % self.n_kv_heads:
-            divisors = ", ".join(str(d) for d in range(1, self.n_heads + 1) if self.n_heads % d == 0)
-            raise ConfigError(f"model.n_heads ({self.n_heads}) must be a multiple of model.n_kv_heads "
-                              f"({self.n_kv_heads}) for grouped-query attention: set n_kv_heads to one of "
-                              f"{divisors}")
-        if self.head_dim % 2:
-            raise ConfigError(f"model.head_dim ({self.head_dim}) must be even for rotary embeddings, which "
-                              f"rotate pairs of features: set an even head_dim (e.g. {self.head_dim + 1})")
-        if not self.norm_eps > 0:
-            raise ConfigError(f"model.norm_eps must be > 0, got {self.norm_eps} (Qwen3 uses 1e-6)")
-        if not self.rope_theta > 0:
-            raise ConfigError(f"model.rope_theta must be > 0, got {self.rope_theta} (Qwen3 uses 1e6)")
+        Qwen3Args.validate(self)  # the same attention, RoPE and norm rules
         if not 0 <= self.n_dense_layers <= self.n_layers:
             raise ConfigError(f"model.n_dense_layers ({self.n_dense_layers}) must be between 0 and model.n_layers "
                               f"({self.n_layers}): the first n_dense_layers blocks are dense, the rest MoE")

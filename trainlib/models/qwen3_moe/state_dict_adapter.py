@@ -33,6 +33,7 @@ import torch
 
 from trainlib.errors import ConfigError
 from trainlib.models.moe import MoEArgs
+from trainlib.models.qwen3.state_dict_adapter import hf_attention_args
 from trainlib.models.qwen3_moe.model import ModelArgs
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
@@ -98,17 +99,6 @@ def _expert_names(name: str, n_experts: int) -> tuple[str, ...]:
 # --------------------------------------------------------------------------- config
 
 
-def _sliding_layers(cfg: dict) -> list[int]:
-    """The layers an HF config gives sliding-window attention (Qwen3 dense's rule)."""
-    n = cfg["num_hidden_layers"]
-    types = cfg.get("layer_types")
-    if types:
-        return [i for i, t in enumerate(types) if t == "sliding_attention"]
-    if cfg.get("use_sliding_window") and cfg.get("sliding_window") is not None:
-        return list(range(cfg.get("max_window_layers", n), n))
-    return []
-
-
 def _dense_layers(cfg: dict, n_experts: int) -> list[int]:
     """The layers an HF Qwen3-MoE config gives a dense MLP (transformers' rule): those in
     `mlp_only_layers`, and those `decoder_sparse_step` skips (layer i is sparse when (i + 1) % step == 0)."""
@@ -119,22 +109,7 @@ def _dense_layers(cfg: dict, n_experts: int) -> list[int]:
 
 
 def args_from_hf_config(cfg: dict) -> ModelArgs:
-    model_type, archs = cfg.get("model_type"), cfg.get("architectures") or []
-    if (model_type is not None and model_type != MODEL_TYPE) or (archs and not set(archs) & set(ARCHITECTURES)):
-        raise ConfigError(f"HF config has model_type={model_type!r} architectures={archs}, not Qwen3-MoE's "
-                          f"({MODEL_TYPE!r}, {ARCHITECTURES[0]}): set model.name to the family of that "
-                          "checkpoint")
-    if cfg.get("attention_bias"):
-        raise ConfigError("HF config has attention_bias=true, but trainlib's Qwen3-MoE projections have no bias: "
-                          "this checkpoint cannot be imported")
-    sliding = _sliding_layers(cfg)
-    if sliding:
-        raise ConfigError(f"HF config gives {len(sliding)} layer(s) sliding-window attention "
-                          f"(sliding_window={cfg.get('sliding_window')}, from layer {sliding[0]}), but trainlib's "
-                          "Qwen3-MoE attends causally to the whole window: this checkpoint cannot be imported")
-    if cfg.get("hidden_act", "silu") != "silu":
-        raise ConfigError(f"HF config has hidden_act={cfg['hidden_act']!r}, but trainlib's Qwen3-MoE experts are "
-                          "SwiGLU (silu): this checkpoint cannot be imported")
+    shared = hf_attention_args(cfg, "Qwen3-MoE", MODEL_TYPE, ARCHITECTURES)
     if not cfg.get("norm_topk_prob", False):
         raise ConfigError(f"HF config has norm_topk_prob={cfg.get('norm_topk_prob', False)!r}, but trainlib's "
                           "Qwen3-MoE renormalises the chosen experts' weights to sum to 1 (every published "
@@ -144,29 +119,14 @@ def args_from_hf_config(cfg: dict) -> ModelArgs:
     if not n_experts:
         raise ConfigError(f"HF config has num_experts={n_experts!r}: a Qwen3-MoE without experts is a dense "
                           "Qwen3; import it as model.name = 'qwen3'")
-    n = cfg["num_hidden_layers"]
     dense = _dense_layers(cfg, n_experts)
     if dense != list(range(len(dense))):
         raise ConfigError(f"HF config makes layer(s) {dense} dense (mlp_only_layers={cfg.get('mlp_only_layers')}, "
                           f"decoder_sparse_step={cfg.get('decoder_sparse_step')}), but trainlib's Qwen3-MoE has its "
                           "dense blocks first (n_dense_layers): this checkpoint cannot be imported")
-    rope = cfg.get("rope_parameters") or cfg.get("rope_scaling") or {}
-    rope_type = rope.get("rope_type", rope.get("type", "default"))
-    if rope_type != "default":
-        raise ConfigError(f"HF config has rope_type={rope_type!r}, but trainlib's Qwen3-MoE implements unscaled "
-                          "RoPE only: remove rope_scaling from config.json to import the weights at their "
-                          "native context length")
-    theta = cfg.get("rope_theta", rope.get("rope_theta", 10000.0))  # transformers' default when unstated
-    return ModelArgs(
-        dim=cfg["hidden_size"], n_layers=n, n_heads=cfg["num_attention_heads"],
-        n_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-        head_dim=cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"],
-        ffn_dim=cfg["intermediate_size"], vocab_size=cfg["vocab_size"],
-        moe=MoEArgs(n_experts=n_experts, top_k=cfg["num_experts_per_tok"], expert_dim=cfg["moe_intermediate_size"]),
-        norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=float(theta),
-        max_seq_len=int(cfg.get("max_position_embeddings", 32768)),
-        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)), n_dense_layers=len(dense),
-    )
+    return ModelArgs(**shared, n_dense_layers=len(dense),
+                     moe=MoEArgs(n_experts=n_experts, top_k=cfg["num_experts_per_tok"],
+                                 expert_dim=cfg["moe_intermediate_size"]))
 
 
 def hf_config_from_args(args: ModelArgs, dtype: str = "float32") -> dict:
