@@ -10,6 +10,7 @@ import torch
 from trainlib.train import main
 
 # (what, recipe file text or None, overrides, expected in the one line)
+MOE = ["--model.name=qwen3_moe", "--model.flavor=debug_moe"]
 BAD_INPUT = [
     ("misspelled key", None, ["--training.stesp=3"], "did you mean 'training.steps'?"),
     ("unknown section", None, ["--trainig.steps=3"], "trainig"),
@@ -70,6 +71,11 @@ BAD_INPUT = [
     ("extends of a bad type", "extends = 3\n", [], "extends in"),
     ("extends cycle", 'extends = "recipe.toml"\n', [], "extends cycle"),
     ("not UTF-8", b"[training]\nsteps = 3 # \xff\xfe\n", [], "is not UTF-8 text"),
+    ("MoE key on a dense model", None, ["--moe.z_loss_coef=0.01"], "moe.z_loss_coef set, but llama3 debug has no MoE"),
+    ("MoE balance method", None, ["--moe.load_balance=aux"], "'aux' is not one of 'bias', 'none'"),
+    ("negative capacity", None, MOE + ["--moe.capacity_factor=-1"], "moe.capacity_factor must be >= 0"),
+    ("compile with MoE blocks", None, MOE + ["--compile.enable=true"], "compile.enable = true with MoE blocks"),
+    ("float8 with MoE blocks", None, MOE + ["--float8.enable=true"], "float8.enable = true with MoE blocks"),
 ]
 
 

@@ -7,6 +7,8 @@ live here.
 
 from __future__ import annotations
 
+import dataclasses
+
 import importlib.util
 import inspect
 
@@ -208,6 +210,11 @@ def _validate_cpu_offload(cfg: JobConfig, dims: ParallelDims) -> None:
 def _validate_moe(cfg: JobConfig, dims: ParallelDims, model_args) -> None:
     """What MoE blocks (trainlib.models.moe; a family's args carry them as `moe`) do not run with yet."""
     if getattr(model_args, "moe", None) is None:
+        changed = [f"moe.{f.name}" for f in dataclasses.fields(cfg.moe)
+                   if getattr(cfg.moe, f.name) != getattr(type(cfg.moe)(), f.name)]
+        if changed:
+            raise ConfigError(f"{', '.join(changed)} set, but {cfg.model.name} {cfg.model.flavor} has no MoE blocks "
+                              f"(the [moe] section tunes them); remove the [moe] keys or pick a model with MoE blocks")
         return
     for on, key in ((cfg.compile.enable, "compile.enable"), (cfg.float8.enable, "float8.enable")):
         if on:
