@@ -283,9 +283,9 @@ class _SharedExperts(nn.Module):
 class MoE(nn.Module):
     """Router, routed experts and optional shared experts; the feed-forward of an MoE block.
 
-    Buffers: `expert_bias` [E] fp32, persistent (checkpoints keep it); `tokens_per_expert` [E],
-    `dropped` and `assigned` (scalars) and `aux` [2] (the step's seq-aux and z-loss terms, already weighted),
-    non-persistent: what this rank routed since the step runner last took them (`take_stats`).
+    Buffers: `expert_bias` [E] fp32, persistent (checkpoints keep it); `tokens_per_expert` [E] and `stats`
+    [4] (dropped and assigned assignments, the seq-aux and z-loss terms as added), non-persistent: what this
+    rank routed since the step runner last took them (`take_stats`).
     """
 
     def __init__(self, dim: int, args: MoEArgs):
@@ -326,8 +326,9 @@ class MoE(nn.Module):
             expert_of, w_sorted = flat[order], weights.reshape(-1)[order].detach()
             by_weight = torch.argsort(-w_sorted, stable=True)
             by_expert = by_weight[torch.argsort(expert_of[by_weight], stable=True)]
+            starts = counts.cumsum(0) - counts
             rank = torch.empty_like(order)
-            rank[by_expert] = torch.arange(order.numel(), device=x.device) - (counts.cumsum(0) - counts)[expert_of[by_expert]]
+            rank[by_expert] = torch.arange(order.numel(), device=x.device) - starts[expert_of[by_expert]]
             order = order[rank < cap]  # still grouped by expert
             counts = counts.clamp(max=cap)
         tokens = order // a.top_k
