@@ -15,7 +15,7 @@
 # BENCH_ARGS replaces the benchmark's "--device cuda --steps 30 --warmup 14"
 # (BENCH_ARGS=--cpu-smoke rehearses the script on a CPU machine). Exit status:
 # 1 if a test run failed (or ran out of time), 0 otherwise.
-# Why a budget: lent GPU machines come by the minute (docs/gpu-next-session.md).
+# Why a budget: lent GPU machines come by the minute (benchmarks/gpu-next-session.md).
 set -u
 if [ $# -lt 2 ]; then
     echo "usage: bash scripts/gpu_check.sh OUT_DIR BUDGET_SECONDS [PRESET ...]" >&2
