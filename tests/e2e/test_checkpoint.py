@@ -158,7 +158,7 @@ def test_training_steps_raised_and_load_step(tmp_path):
     assert proc.returncode == 2 and "checkpoint.load_step=3" in proc.stderr and "[4, 6]" in proc.stderr
     # Another model shape: one clear line, not DCP's traceback.
     proc = run_cli([*BASE, f"--job.dump_folder={folder}", "--model.vocab_size=600"])
-    assert proc.returncode == 2 and "model.flavor / n_layers / vocab_size" in proc.stderr
+    assert proc.returncode == 2 and "model.name / flavor / n_layers / vocab_size" in proc.stderr
     # fresh_start wipes and starts over.
     proc = _run(folder, {}, extra=["--training.steps=2", "--checkpoint.fresh_start=true"])
     assert _steps(folder) == [1, 2] and complete_steps(folder / "checkpoint") == [2]
