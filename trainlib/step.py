@@ -67,7 +67,8 @@ class StepRunner:
         batch's target tokens); returns (this rank's share of the global mean loss: summing it over dp_cp,
         and pp, gives the loss; the auxiliary dict)."""
         micro_batches = self.local(micro_batches)
-        self._take_moe_stats()  # what an evaluation routed since the last step is not this step's
+        for block in self._moe.values():  # what an evaluation routed since the last step is not this step's
+            block.take_stats()
         with self._loss_context(), aux_loss_scale(1.0 / n_targets):  # MoE auxiliary losses weigh like tokens
             if self.pipeline is not None:
                 loss_sum = self.pipeline.step(micro_batches, n_targets, self.device)

@@ -210,8 +210,9 @@ def _validate_cpu_offload(cfg: JobConfig, dims: ParallelDims) -> None:
 def _validate_moe(cfg: JobConfig, dims: ParallelDims, model_args) -> None:
     """What MoE blocks (trainlib.models.moe; a family's args carry them as `moe`) do not run with yet."""
     if getattr(model_args, "moe", None) is None:
+        default = type(cfg.moe)()
         changed = [f"moe.{f.name}" for f in dataclasses.fields(cfg.moe)
-                   if getattr(cfg.moe, f.name) != getattr(type(cfg.moe)(), f.name)]
+                   if getattr(cfg.moe, f.name) != getattr(default, f.name)]
         if changed:
             raise ConfigError(f"{', '.join(changed)} set, but {cfg.model.name} {cfg.model.flavor} has no MoE blocks "
                               f"(the [moe] section tunes them); remove the [moe] keys or pick a model with MoE blocks")

@@ -137,12 +137,9 @@ class _TokenSplitMoE(ParallelStyle):
     def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
         for sub in module.modules():
             if hasattr(sub, "param_view"):  # the MoE parts that compute with their own weights
-                for name, p in list(sub.named_parameters(recurse=False)):
-                    sub.register_parameter(name, nn.Parameter(distribute_tensor(p.data, device_mesh, [Replicate()]),
-                                                              requires_grad=p.requires_grad))
-                for lin in sub.children():  # shared experts keep their weights in nn.Linear children
-                    for name, p in list(lin.named_parameters(recurse=False)):
-                        lin.register_parameter(name, nn.Parameter(
+                for owner in (sub, *sub.children()):  # the router and shared experts keep theirs in nn.Linear
+                    for name, p in list(owner.named_parameters(recurse=False)):
+                        owner.register_parameter(name, nn.Parameter(
                             distribute_tensor(p.data, device_mesh, [Replicate()]), requires_grad=p.requires_grad))
                 sub.param_view = _partial_grad_view
         return PrepareModuleInputOutput(

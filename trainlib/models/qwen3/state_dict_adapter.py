@@ -6,7 +6,7 @@ group), with the same functions, signatures and meanings as
 
 Names: HF `model.layers.3.self_attn.q_proj.weight` is trainlib
 `layers.3.attention.wq.weight`, `...self_attn.q_norm.weight` is
-`layers.3.attention.q_norm.weight`, and so on (`_LAYER_NAMES`).
+`layers.3.attention.q_norm.weight`, and so on (`LAYER_NAMES`).
 
 Layout: none to convert. trainlib's Qwen3 rotates the two halves of each head
 as HF's `rotate_half` does, so every tensor is stored as it is in both;
@@ -23,7 +23,7 @@ from trainlib.models.qwen3.model import ModelArgs
 ARCHITECTURES = ("Qwen3ForCausalLM",)
 MODEL_TYPE = "qwen3"
 
-_LAYER_NAMES = {
+LAYER_NAMES = {
     "attention.wq.weight": "self_attn.q_proj.weight",
     "attention.wk.weight": "self_attn.k_proj.weight",
     "attention.wv.weight": "self_attn.v_proj.weight",
@@ -36,17 +36,17 @@ _LAYER_NAMES = {
     "attention_norm.weight": "input_layernorm.weight",
     "ffn_norm.weight": "post_attention_layernorm.weight",
 }
-_FROM_HF_LAYER = {theirs: ours for ours, theirs in _LAYER_NAMES.items()}
-_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
+_FROM_HF_LAYER = {theirs: ours for ours, theirs in LAYER_NAMES.items()}
+TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
               "output.weight": "lm_head.weight"}
-_FROM_HF_TOP = {theirs: ours for ours, theirs in _TOP_NAMES.items()}
+_FROM_HF_TOP = {theirs: ours for ours, theirs in TOP_NAMES.items()}
 
 
 def to_hf_name(name: str) -> str:
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
     _, idx, rest = name.split(".", 2)  # layers.<i>.<rest>
-    return f"model.layers.{idx}.{_LAYER_NAMES[rest]}"
+    return f"model.layers.{idx}.{LAYER_NAMES[rest]}"
 
 
 def from_hf_name(name: str) -> str | None:

@@ -33,44 +33,28 @@ import torch
 
 from trainlib.errors import ConfigError
 from trainlib.models.moe import MoEArgs
-from trainlib.models.qwen3.state_dict_adapter import hf_attention_args
+from trainlib.models.qwen3.state_dict_adapter import LAYER_NAMES, TOP_NAMES, hf_attention_args
 from trainlib.models.qwen3_moe.model import ModelArgs
 
 ARCHITECTURES = ("Qwen3MoeForCausalLM",)
 MODEL_TYPE = "qwen3_moe"
 
-_LAYER_NAMES = {
-    "attention.wq.weight": "self_attn.q_proj.weight",
-    "attention.wk.weight": "self_attn.k_proj.weight",
-    "attention.wv.weight": "self_attn.v_proj.weight",
-    "attention.wo.weight": "self_attn.o_proj.weight",
-    "attention.q_norm.weight": "self_attn.q_norm.weight",
-    "attention.k_norm.weight": "self_attn.k_norm.weight",
-    "attention_norm.weight": "input_layernorm.weight",
-    "ffn_norm.weight": "post_attention_layernorm.weight",
-    # dense blocks
-    "feed_forward.w1.weight": "mlp.gate_proj.weight",
-    "feed_forward.w3.weight": "mlp.up_proj.weight",
-    "feed_forward.w2.weight": "mlp.down_proj.weight",
-    # MoE blocks
-    "moe.router.gate.weight": "mlp.gate.weight",
-}
+# Qwen3's (attention with QK-norm, norms, the dense blocks' MLP) and the MoE blocks' router
+_LAYER_NAMES = {**LAYER_NAMES, "moe.router.gate.weight": "mlp.gate.weight"}
 _FROM_HF_LAYER = {theirs: ours for ours, theirs in _LAYER_NAMES.items()}
 # trainlib's stacked experts weight -> each expert's HF projection
 _EXPERT_NAMES = {"moe.experts.w1": "gate_proj", "moe.experts.w3": "up_proj", "moe.experts.w2": "down_proj"}
 _FROM_HF_EXPERT = {theirs: ours for ours, theirs in _EXPERT_NAMES.items()}
 _HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
 _NO_HF = ("moe.expert_bias",)  # trainlib-only state (the load-balance bias buffer)
-_TOP_NAMES = {"tok_embeddings.weight": "model.embed_tokens.weight", "norm.weight": "model.norm.weight",
-              "output.weight": "lm_head.weight"}
-_FROM_HF_TOP = {theirs: ours for ours, theirs in _TOP_NAMES.items()}
+_FROM_HF_TOP = {theirs: ours for ours, theirs in TOP_NAMES.items()}
 
 
 def to_hf_name(name: str) -> str:
     """The HF name of trainlib weight `name`; a stacked experts weight gives its experts' names with `*`
     for the expert index (`model.layers.3.mlp.experts.*.gate_proj.weight`)."""
-    if name in _TOP_NAMES:
-        return _TOP_NAMES[name]
+    if name in TOP_NAMES:
+        return TOP_NAMES[name]
     _, idx, rest = name.split(".", 2)  # layers.<i>.<rest>
     if rest in _EXPERT_NAMES:
         return f"model.layers.{idx}.mlp.experts.*.{_EXPERT_NAMES[rest]}.weight"
