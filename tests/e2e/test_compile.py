@@ -16,7 +16,7 @@ import re
 import pytest
 
 from tests.helpers import RECIPES, needs_cxx_compiler
-from trainlib.parity import run_parity
+from trainlib.parity import default_pool, run_parity
 
 SMALL = ["--training.global_batch_size=4", "--training.seq_len=128"]
 
@@ -24,6 +24,16 @@ SMALL = ["--training.global_batch_size=4", "--training.seq_len=128"]
 # curve stayed within ~1e-7 relative of eager over 10 steps (measured); 1e-5
 # is the library's usual parity bar.
 COMPILE_RTOL = 1e-5
+
+
+
+@pytest.fixture(autouse=True)
+def _fresh_processes():
+    """TORCH_LOGS is read when torch is imported: these runs need processes of their own, not the
+    session's long-lived parity workers."""
+    with default_pool(None):
+        yield
+
 
 _TRACED = re.compile(r"\[(\d+)/(\d+)\] Step 1: torchdynamo start tracing (\S+) (\S+):\d+")
 _COMPILED = re.compile(r"\[(\d+)/(\d+)\] Step 2: done compiler function inductor")

@@ -10,7 +10,14 @@ import pytest
 
 from trainlib import parity
 from trainlib.config import ConfigError
-from trainlib.parity import LayoutRun, parse_layout, run_parity
+from trainlib.parity import LayoutRun, WorkerPool, default_pool, parse_layout, run_layout, run_parity
+
+
+@pytest.fixture(autouse=True)
+def _fresh_processes():
+    """These tests fake or compare the launch itself: no session-wide worker pool."""
+    with default_pool(None):
+        yield
 
 
 def test_parse_layout():
@@ -109,3 +116,22 @@ def test_cli_prints_the_table_and_writes_the_plot(monkeypatch, capsys, tmp_path)
     assert "max relative deviation (loss / grad_norm):" in out
     assert f"wrote {tmp_path / 'p.png'}" in out and f"wrote {tmp_path / 'p.html'}" in out
     assert (tmp_path / "p.png").stat().st_size > 0 and (tmp_path / "p.html").stat().st_size > 0
+
+
+def test_a_worker_pools_run_is_a_fresh_runs_curve_bitwise_and_survives_a_dead_worker(tmp_path):
+    """The suite's parity runs go through one WorkerPool: a pooled run must be the CLI's run exactly,
+    one after another in the same processes, and a worker lost between runs is replaced."""
+    small = ["--training.global_batch_size=4", "--training.seq_len=64"]
+    fresh = run_layout(None, "dp_shard=2", 3, tmp_path / "fresh", small)
+    with WorkerPool() as pool:
+        first = run_layout(None, "dp_shard=2", 3, tmp_path / "pool1", small, pool=pool)
+        pids = [w.pid for w in pool._workers]
+        with pytest.raises(ConfigError, match=r"^layout 'dp_shard=2': training.steps must be >= 1"):
+            run_layout(None, "dp_shard=2", 0, tmp_path / "bad", small, pool=pool)
+        pool._workers[1].kill()
+        pool._workers[1].wait()
+        again = run_layout(None, "dp_shard=2", 3, tmp_path / "pool2", small, pool=pool)
+        assert [w.pid for w in pool._workers] != pids
+    for run in (first, again):
+        assert (run.losses, run.grad_norms) == (fresh.losses, fresh.grad_norms)
+    assert "world 2 on cpu" in first.output
