@@ -10,13 +10,25 @@ import threading
 
 import pytest
 
-from tests.helpers import run_cli
+from tests.helpers import GLOO_WORKERS, run_cli
+from trainlib.parity import WorkerPool, default_pool
 
 # One thread per rank: several ranks share this machine's 2 cores, and
 # oversubscribed OpenMP threads make multi-process tests slow and flaky.
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _parity_workers():
+    """Every run_parity in the session runs in one pool of long-lived ranks (trainlib.parity.WorkerPool):
+    each layout's ranks would otherwise pay Python's, torch's and torchrun's start-up again, most of a
+    10-step debug run here. Started on first use. The real CLI is what test_cli.py and the checkpoint,
+    launcher and fault tests run."""
+    with WorkerPool() as pool, default_pool(pool):
+        yield
+    GLOO_WORKERS.close()  # tests.helpers.spawn's long-lived ranks
 
 
 @pytest.fixture

@@ -13,6 +13,7 @@ import sys
 import sysconfig
 import tempfile
 import threading
+import time
 import traceback
 import weakref
 from pathlib import Path
@@ -20,6 +21,7 @@ from pathlib import Path
 import pytest
 import torch
 import torch.multiprocessing as mp
+from multiprocessing.connection import wait as wait_for
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from trainlib import compat
@@ -165,7 +167,7 @@ def gloo_schedules() -> list[str]:
             and (compat.ZERO_BUBBLE_WITH_CHUNKED_LOSS or s not in pp.ZERO_BUBBLE_SCHEDULES)]
 
 
-def _entry(rank, fn, world, store_path, err_dir, args):
+def _run_rank(rank, fn, world, store_path, args):
     import torch.distributed as dist
 
     from trainlib.distributed import destroy_distributed
@@ -179,10 +181,6 @@ def _entry(rank, fn, world, store_path, err_dir, args):
         left = [t.name for t in threading.enumerate() if t.name.startswith("trainlib-")]
         if left:
             raise AssertionError(f"rank {rank} left threads running: {left} (trainlib.train.Job.close)")
-    except BaseException:
-        with open(os.path.join(err_dir, f"rank{rank}.err"), "w") as f:
-            f.write(traceback.format_exc())
-        raise
     finally:
         # Frees what fn built (pipeline stages and meshes sit in reference cycles) while the
         # process groups exist: freed after them, a rank aborted at exit now and then ("terminate
@@ -191,10 +189,99 @@ def _entry(rank, fn, world, store_path, err_dir, args):
         destroy_distributed()
 
 
-def spawn(fn, world, *args, timeout=300):
-    """Run fn(rank, world, *args) on `world` gloo ranks (spawned processes,
-    file-store rendezvous: no ports). fn must be a module-level function.
-    Raises with the first failing rank's traceback."""
+def _entry(rank, fn, world, store_path, err_dir, args):
+    try:
+        _run_rank(rank, fn, world, store_path, args)
+    except BaseException:
+        with open(os.path.join(err_dir, f"rank{rank}.err"), "w") as f:
+            f.write(traceback.format_exc())
+        raise
+
+
+def _serve(conn):
+    """A long-lived gloo rank (GlooWorkers): runs (fn, world, rank, store, args) jobs until its pipe
+    closes, answering None or the job's traceback."""
+    while True:
+        try:
+            rank, fn, world, store_path, args = conn.recv()
+        except EOFError:
+            os._exit(0)  # no interpreter finalization with gloo's threads about (trainlib.train does the same)
+        env = dict(os.environ)
+        try:
+            _run_rank(rank, fn, world, store_path, args)
+            conn.send(None)
+        except BaseException:
+            conn.send(traceback.format_exc())
+        finally:
+            os.environ.clear()
+            os.environ.update(env)
+
+
+class GlooWorkers:
+    """Ranks that outlive a test: `spawn` runs each test's ranks in them, so the suite pays a rank's
+    start-up (Python, torch, trainlib: seconds of CPU each) once rather than per test. Every job still
+    gets a process group of its own (a fresh file store) and destroys it; a job that fails or hangs
+    costs the workers (they are killed and started again on the next job)."""
+
+    JOBS_PER_WORKER = 25  # gloo keeps a destroyed group's threads and sockets: recycle, as WorkerPool does
+
+    def __init__(self):
+        self._procs, self._conns, self._jobs = [], [], 0
+
+    def close(self):
+        self._jobs = 0
+        for c in self._conns:
+            c.close()
+        for p in self._procs:
+            p.kill()
+            p.join()
+        self._procs, self._conns = [], []
+
+    def run(self, fn, world, args, timeout):
+        if any(not p.is_alive() for p in self._procs) or self._jobs >= self.JOBS_PER_WORKER:
+            self.close()
+        self._jobs += 1
+        ctx = mp.get_context("spawn")
+        while len(self._procs) < world:
+            mine, theirs = ctx.Pipe()
+            p = ctx.Process(target=_serve, args=(theirs,))  # not daemonic: a job may start processes
+            p.start()
+            theirs.close()
+            self._procs.append(p)
+            self._conns.append(mine)
+        with tempfile.TemporaryDirectory() as tmp:
+            for rank in range(world):
+                self._conns[rank].send((rank, fn, world, os.path.join(tmp, "store"), args))
+            errors, pending, deadline = {}, dict(enumerate(self._conns[:world])), time.monotonic() + timeout
+            while pending:
+                ready = wait_for(list(pending.values()), max(0.0, deadline - time.monotonic()))
+                if not ready:
+                    errors.update((r, f"no answer within {timeout} s") for r in pending)
+                    break
+                for rank in [r for r, c in pending.items() if c in ready]:
+                    try:
+                        answer = pending.pop(rank).recv()
+                    except EOFError:
+                        answer = f"its process died (exit code {self._procs[rank].exitcode})"
+                    if answer is not None:
+                        errors[rank] = answer
+                        deadline = min(deadline, time.monotonic() + 30)  # the others may wait on it
+        if errors:
+            self.close()  # a failed job can leave a worker stuck in a collective or a half-torn group
+            rank = min(errors)
+            raise AssertionError(f"rank {rank} of {world} failed:\n{errors[rank]}")
+
+
+GLOO_WORKERS = GlooWorkers()
+
+
+def spawn(fn, world, *args, timeout=300, fresh=False):
+    """Run fn(rank, world, *args) on `world` gloo ranks (file-store rendezvous: no ports). fn must be a
+    module-level function. Raises with the first failing rank's traceback. The ranks are the session's
+    long-lived GlooWorkers unless `fresh` (a test of signals, timeouts or exits: processes of its own)."""
+    if not fresh:
+        GLOO_WORKERS.run(fn, world, args, timeout)
+        return
     with tempfile.TemporaryDirectory() as tmp:
         ctx = mp.start_processes(_entry, args=(fn, world, os.path.join(tmp, "store"), tmp, args),
                                  nprocs=world, join=False, start_method="spawn")

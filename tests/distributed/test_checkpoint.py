@@ -88,7 +88,7 @@ def test_process_mode_saves_more_than_once_and_its_writer_stops_at_close(tmp_pat
     process, left to interpreter exit, printed an EOFError traceback there."""
     from tests.helpers import spawn
 
-    spawn(_process_mode_worker, 1, str(tmp_path))
+    spawn(_process_mode_worker, 1, str(tmp_path), fresh=True)  # counts its processes
     assert complete_steps(tmp_path / "checkpoint") == [1, 2, 3]
 
 

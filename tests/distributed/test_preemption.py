@@ -27,4 +27,4 @@ def _check(rank, world):
 
 
 def test_a_signal_on_one_rank_stops_every_rank_and_no_rank_drops_its_handlers():
-    spawn(_check, 2)
+    spawn(_check, 2, fresh=True)

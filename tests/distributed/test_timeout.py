@@ -28,7 +28,7 @@ def _hang(rank, world, out):
 
 def test_collective_timeout_raises(tmp_path):
     out = tmp_path / "elapsed"
-    spawn(_hang, 2, str(out), timeout=120)
+    spawn(_hang, 2, str(out), timeout=120, fresh=True)
     assert 1.5 < float(out.read_text()) < 6
 
 
