@@ -96,7 +96,7 @@ def round_like_eager_under_compile(cfg: Float8Config, compiled: bool) -> bool:
     logsumexp were computed with, and attention's backward goes wrong.
     PyTorch tracks this as pytorch/pytorch#150859 (K differed between forward
     and recompute); TorchTitan sets the same flag for rowwise. Measured on one
-    H200 (torch 2.11, torchao 0.17; docs/performance.md, "float8 rowwise"):
+    H200 (torch 2.11, torchao 0.17; benchmarks/speed-history.md, "float8 rowwise"):
     without the setting, rowwise + compile + selective_op every_other_mm (the
     one policy that recomputes wk) gave 2 Llama-3.1-8B blocks a grad norm 8.5x
     bf16's, and the 8-block trainer an inf grad norm at step 2; with it the
