@@ -10,24 +10,41 @@ The parts, each usable alone (see docs/custom_loop.py):
   trainlib.data      tokenizers, build_dataloader
   trainlib.metrics   MetricsLogger
   trainlib.train     the main job (`python -m trainlib.train`)
+
+The names below are loaded from their modules on first use: importing
+trainlib (which every `python -m trainlib.<tool>` does first) costs nothing, so
+a tool answers `--help` or a bad flag before torch is imported.
 """
+
+from __future__ import annotations
+
+import importlib
 
 __version__ = "0.1.0"
 
-from trainlib.build import ModelParts, build_model_parts  # noqa: E402
-from trainlib.config import ConfigError, JobConfig, load_job_config  # noqa: E402
-from trainlib.data import DataConfig, TokenizerConfig, build_dataloader, build_tokenizer  # noqa: E402
-from trainlib.distributed import CommConfig, destroy_distributed, init_distributed  # noqa: E402
-from trainlib.loss import count_targets, cross_entropy_sum  # noqa: E402
-from trainlib.metrics import MetricsConfig, MetricsLogger  # noqa: E402
-from trainlib.models.llama3 import ModelArgs, Transformer, get_model_args, parallelize_llama  # noqa: E402
-from trainlib.optim import LRSchedulerConfig, OptimizerConfig, build_lr_scheduler, build_optimizer  # noqa: E402
-from trainlib.parallel import ParallelDims, apply_fsdp, clip_grad_norm_, init_model_weights  # noqa: E402
+_EXPORTS = {
+    "trainlib.build": ("ModelParts", "build_model_parts"),
+    "trainlib.config": ("ConfigError", "JobConfig", "load_job_config"),
+    "trainlib.data": ("DataConfig", "TokenizerConfig", "build_dataloader", "build_tokenizer"),
+    "trainlib.distributed": ("CommConfig", "destroy_distributed", "init_distributed"),
+    "trainlib.loss": ("count_targets", "cross_entropy_sum"),
+    "trainlib.metrics": ("MetricsConfig", "MetricsLogger"),
+    "trainlib.models.llama3": ("ModelArgs", "Transformer", "get_model_args", "parallelize_llama"),
+    "trainlib.optim": ("LRSchedulerConfig", "OptimizerConfig", "build_lr_scheduler", "build_optimizer"),
+    "trainlib.parallel": ("ParallelDims", "apply_fsdp", "clip_grad_norm_", "init_model_weights"),
+}
+_MODULE_OF = {name: module for module, names in _EXPORTS.items() for name in names}
 
-__all__ = [
-    "CommConfig", "ConfigError", "DataConfig", "JobConfig", "LRSchedulerConfig", "MetricsConfig",
-    "MetricsLogger", "ModelArgs", "ModelParts", "OptimizerConfig", "ParallelDims", "TokenizerConfig", "Transformer",
-    "apply_fsdp", "build_dataloader", "build_model_parts", "build_lr_scheduler", "build_optimizer", "build_tokenizer",
-    "clip_grad_norm_", "count_targets", "cross_entropy_sum", "destroy_distributed", "get_model_args",
-    "init_distributed", "init_model_weights", "load_job_config", "parallelize_llama",
-]
+__all__ = sorted(_MODULE_OF)
+
+
+def __getattr__(name: str):
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module 'trainlib' has no attribute {name!r}")
+    value = getattr(importlib.import_module(_MODULE_OF[name]), name)
+    globals()[name] = value  # once
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

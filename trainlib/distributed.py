@@ -8,35 +8,17 @@ import logging
 import os
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.distributed as dist
 
 from trainlib.errors import ConfigError
+from trainlib.sections import CommConfig
 
 logger = logging.getLogger("trainlib")
-
-
-@dataclass
-class CommConfig:
-    # Generous for the first step, which includes compilation and the first
-    # all-gathers; strict afterwards, so that a hung rank ends the job with an
-    # error instead of holding every GPU forever.
-    init_timeout_seconds: float = field(default=600.0, metadata={
-        "help": "collective timeout (seconds) from process-group start through the first training step"})
-    train_timeout_seconds: float = field(default=300.0, metadata={
-        "help": "collective timeout (seconds) after the first step: a hung rank ends the job after this long"})
-    backend: Literal["auto", "gloo", "nccl"] = field(default="auto", metadata={
-        "help": "process-group backend; auto = nccl on CUDA, gloo on CPU (nccl needs job.device cuda)"})
-
-    def __post_init__(self) -> None:
-        for key in ("init_timeout_seconds", "train_timeout_seconds"):
-            if not getattr(self, key) > 0:
-                raise ConfigError(f"comm.{key} must be > 0 seconds, got {getattr(self, key)}")
 
 
 @dataclass(frozen=True)

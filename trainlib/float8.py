@@ -34,54 +34,16 @@ import dataclasses
 import fnmatch
 import logging
 from collections import Counter
-from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 from torch import nn
 
 from trainlib.errors import ConfigError
+from trainlib.sections import Float8Config
 
 logger = logging.getLogger("trainlib")
 
 RECIPES = ("tensorwise", "rowwise", "rowwise_with_gw_hp")
-
-
-@dataclass
-class Float8Config:
-    enable: bool = field(default=False, metadata={
-        "help": "run the linear layers' matmuls in float8 (torchao; CUDA compute capability >= 8.9 unless emulate)"})
-    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = field(default="tensorwise", metadata={
-        "help": "tensorwise = a scale per tensor (fastest), rowwise = per row, rowwise_with_gw_hp = rowwise "
-                "but weight grads not in float8"})
-    # fnmatch patterns over module names (e.g. "output", "layers.0.*"); matching
-    # linears stay in high precision. Unset: the family's output projection
-    # (ModelSpec.output_module), whose error goes straight into the logits and
-    # which is one matmul; [] converts it too.
-    filter_fqns: list[str] | None = field(default=None, metadata={
-        "help": "fnmatch patterns of module names kept in high precision; none = the output projection; "
-                "[] = none kept"})
-    # Emulate float8 matmuls in high precision (casts still round to float8):
-    # for testing on hardware without float8 matmuls.
-    emulate: bool = field(default=False, metadata={
-        "help": "emulate float8 matmuls in high precision (casts still round): tests numerics anywhere, no speed-up"})
-    # tensorwise + FSDP: all-gather weights in float8 and precompute their
-    # scales after each optimizer step. Ignored by the rowwise recipes.
-    fsdp_float8_all_gather: bool = field(default=True, metadata={
-        "help": "tensorwise + FSDP: all-gather weights in float8 (half the bytes); ignored by rowwise recipes"})
-    # Linears whose size 2*in*out/(in+out) (the harmonic mean of their in and
-    # out features) is below this stay in high precision. Per token, float8
-    # halves a linear's matmul time, which grows as in*out, and adds casts of
-    # its input and output gradient, which grow as in+out: small or skinny
-    # linears lose. None: the recipe's bound, MIN_SIZE; 0: every linear with
-    # dims multiple of 16 (the behaviour before this key).
-    min_size: int | None = field(default=None, metadata={
-        "help": "linears with 2*in*out/(in+out) below this stay high precision; none = the recipe's bound; "
-                "0 = convert all"})
-
-    def __post_init__(self) -> None:
-        if self.min_size is not None and self.min_size < 0:
-            raise ConfigError(f"float8.min_size must be >= 0 (or unset for the recipe's bound), got {self.min_size}")
 
 
 # Per recipe; placed so that on Llama shapes they keep what torchao's H100
@@ -134,7 +96,7 @@ def round_like_eager_under_compile(cfg: Float8Config, compiled: bool) -> bool:
     logsumexp were computed with, and attention's backward goes wrong.
     PyTorch tracks this as pytorch/pytorch#150859 (K differed between forward
     and recompute); TorchTitan sets the same flag for rowwise. Measured on one
-    H200 (torch 2.11, torchao 0.17; docs/performance.md, "float8 rowwise"):
+    H200 (torch 2.11, torchao 0.17; benchmarks/speed-history.md, "float8 rowwise"):
     without the setting, rowwise + compile + selective_op every_other_mm (the
     one policy that recomputes wk) gave 2 Llama-3.1-8B blocks a grad norm 8.5x
     bf16's, and the 8-block trainer an inf grad norm at step 2; with it the
@@ -148,8 +110,6 @@ def round_like_eager_under_compile(cfg: Float8Config, compiled: bool) -> bool:
     logger.info(f"float8 {cfg.recipe} under compile: inductor rounds intermediate values as eager does "
                 f"(emulate_precision_casts), so activation-checkpoint recompute matches the forward")
     return True
-
-
 
 
 def check_float8_hardware(cfg: Float8Config, device: torch.device) -> None:

@@ -56,42 +56,16 @@ from __future__ import annotations
 import json
 import logging
 import math
-from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
-from trainlib.errors import ConfigError, TrainingStopped
+from trainlib.errors import TrainingStopped
+from trainlib.sections import GuardConfig
 from trainlib.optim import fused_on
 
 logger = logging.getLogger("trainlib")
 
 NONFINITE, SPIKE = 1.0, 2.0  # verdicts; 0 is a good step
-
-
-@dataclass
-class GuardConfig:
-    """The guard's keys, in the [training] section (`TrainingConfig` extends this)."""
-
-    on_nonfinite: Literal["stop", "skip", "rollback"] = field(
-        default="stop", metadata={"help": "a NaN/Inf loss or grad norm: stop (exit 3), skip the update, or roll back "
-                                          "to the last checkpoint and move the data past it (docs/reliability.md)"})
-    on_spike: Literal["off", "stop", "skip", "rollback"] = field(
-        default="off", metadata={"help": "a loss spike (loss > spike_factor x median of the last spike_window good "
-                                         "steps): off, or the policy as for on_nonfinite"})
-    spike_factor: float = field(default=3.0, metadata={"help": "spike threshold, a multiple of the median loss"})
-    spike_window: int = field(default=50, metadata={
-        "help": "good steps in the median, and the warm-up before spikes are judged"})
-    max_skips: int = field(default=10, metadata={"help": "skips allowed per run; the next event stops the run"})
-    max_rollbacks: int = field(default=3, metadata={"help": "rollbacks allowed per run; the next event stops the run"})
-
-    def __post_init__(self) -> None:
-        if not self.spike_factor > 1:
-            raise ConfigError(f"training.spike_factor must be > 1, got {self.spike_factor}")
-        for key in ("spike_window", "max_skips", "max_rollbacks"):
-            if getattr(self, key) < (1 if key == "spike_window" else 0):
-                raise ConfigError(f"training.{key} must be >= {1 if key == 'spike_window' else 0}, "
-                                  f"got {getattr(self, key)}")
 
 
 class Guard:

@@ -12,37 +12,16 @@ Two forms of the same sum of token losses:
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate
 
-from trainlib.errors import ConfigError
+from trainlib.sections import LossConfig  # noqa: F401  (re-exported: the [loss] section is this module's)
 from trainlib.precision import kept_copy
 
 IGNORE_INDEX = -100
-
-
-@dataclass
-class LossConfig:
-    # The model's forward stops at the final norm and the loss applies the
-    # output projection chunk by chunk (see chunked_cross_entropy_sum). False:
-    # whole logits, then the cross-entropy (about 3 fp32 [tokens, vocab]
-    # tensors at once at the loss).
-    chunked: bool = field(default=True, metadata={"help": "apply the output projection and cross-entropy chunk by "
-                                                        "chunk, never holding whole [tokens, vocab] logits"})
-    # Tokens per chunk; 0 = auto (resolve_chunk_tokens: 256 on CPU, up to
-    # 2048 on CUDA). A chunk's transient memory is about 3 fp32
-    # [chunk_tokens, vocab / tp] tensors (256 x 128256: 0.4 GB), plus the
-    # logits and their gradient in bf16 when the matmuls run in bf16.
-    chunk_tokens: int = field(default=0, metadata={"help": "tokens per chunk of the chunked loss; 0 = auto (256 on "
-                                                          "CPU, up to 2048 on CUDA)"})
-
-    def __post_init__(self) -> None:
-        if self.chunk_tokens < 0:
-            raise ConfigError(f"loss.chunk_tokens must be >= 1, or 0 for auto; got {self.chunk_tokens}")
 
 
 # Auto chunk sizes. On CPU memory is what binds (issue 11: 8192 tokens of

@@ -37,41 +37,15 @@ import resource
 import secrets
 import sys
 import time
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Iterator, Literal
+from typing import Iterator
 
 import torch
 
-from trainlib.errors import ConfigError
+from trainlib.sections import MetricsConfig
 from trainlib.hardware import gpu_of_device
 
 logger = logging.getLogger("trainlib")
-
-
-@dataclass
-class MetricsConfig:
-    log_freq: int = field(default=10, metadata={"help": "steps between metric records (file, console, backends); "
-                                                      "step 1 and the last step are always logged"})
-    # A line per log step on rank 0. Off only for programs that print their own.
-    console: bool = field(default=True, metadata={"help": "print a line per logged step on rank 0; false for programs "
-                                                        "that print their own"})
-    enable_tensorboard: bool = field(default=False, metadata={
-        "help": "also write every numeric metric to TensorBoard event files in the run folder's save_tb_folder "
-                "(needs the extra: pip install 'trainlib[tensorboard]')"})
-    save_tb_folder: str = field(default="tb", metadata={"help": "TensorBoard folder, inside the run folder"})
-    enable_wandb: bool = field(default=False, metadata={
-        "help": "also log every numeric metric to Weights & Biases; its files go to the run folder's wandb/ "
-                "(needs the extra: pip install 'trainlib[wandb]')"})
-    wandb_project: str = field(default="trainlib", metadata={"help": "W&B project the run is logged to (enable_wandb)"})
-    wandb_entity: str | None = field(default=None, metadata={"help": "W&B team or user; unset: your default"})
-    wandb_mode: Literal["online", "offline"] | None = field(default=None, metadata={
-        "help": "W&B mode; offline writes only local files (`wandb sync` uploads them later). "
-                "The WANDB_MODE environment variable, when set, wins; unset both: online"})
-
-    def __post_init__(self) -> None:
-        if self.log_freq < 1:
-            raise ConfigError(f"metrics.log_freq must be >= 1, got {self.log_freq}")
 
 
 # Added fields shown on the console line (every field goes to the files), in this order.

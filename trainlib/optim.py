@@ -4,87 +4,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
-from typing import Literal
+from dataclasses import replace
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainlib.adamw import AdamW as OnePassAdamW
-from trainlib.errors import ConfigError
+from trainlib.sections import LRSchedulerConfig, OptimizerConfig
 from trainlib.precision import LowPrecisionCopies
-
-
-@dataclass
-class OptimizerConfig:
-    name: Literal["adamw"] = field(default="adamw", metadata={"help": "the optimizer (AdamW, decoupled weight decay)"})
-    lr: float = field(default=3e-4, metadata={"help": "peak learning rate, reached after warmup; lr_scheduler "
-                                                       "scales it"})
-    beta1: float = field(default=0.9, metadata={"help": "decay rate of the gradient's running mean (first moment), "
-                                                         "in [0, 1)"})
-    beta2: float = field(default=0.95, metadata={"help": "decay rate of the squared gradient's running mean (second "
-                                                          "moment), in [0, 1)"})
-    eps: float = field(default=1e-8, metadata={"help": "added to the second moment's root in the update's "
-                                                        "denominator; > 0"})
-    weight_decay: float = field(default=0.1, metadata={"help": "decoupled weight decay of matrices (norm gains and "
-                                                                "other 1-D parameters get none); 0 = off"})
-    # "auto": fused (torch's one-kernel AdamW, for plain tensors and DTensors
-    # alike) when every parameter is on CUDA, foreach elsewhere (CPU keeps
-    # foreach's numerics); an explicit value is used as given. fused runs on
-    # CPU too, and lets the guard withhold an update without a host sync
-    # (trainlib.guard).
-    # "compiled": trainlib's AdamW (trainlib.adamw), one compiled pass per
-    # parameter on CUDA (eager elsewhere) that can keep its moments in bf16
-    # and writes the weights' bf16 copies under autocast in the same pass.
-    implementation: Literal["auto", "foreach", "fused", "for-loop", "compiled"] = field(default="auto", metadata={
-        "help": "AdamW code path; auto = compiled (trainlib's) for bf16 moments or bf16 weight copies, else fused "
-                "on CUDA, foreach on CPU"})
-    # The moments' dtype. "bfloat16" halves the optimizer state (the update
-    # is still computed in fp32) and needs implementation "compiled" or
-    # "auto" (which then picks it). Checkpoints record it; a resume refuses a
-    # checkpoint of the other dtype.
-    state_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={
-        "help": "dtype of AdamW's moments; bfloat16 halves optimizer state, needs implementation compiled or auto"})
-
-    def __post_init__(self) -> None:
-        if self.state_dtype != "float32" and self.implementation not in ("auto", "compiled"):
-            raise ConfigError(
-                f"optimizer.state_dtype = '{self.state_dtype}' needs optimizer.implementation 'compiled' (or "
-                f"'auto'), but it is '{self.implementation}': torch's {self.implementation} AdamW keeps its "
-                f"moments in the parameters' dtype; set implementation = 'compiled' or state_dtype = 'float32'")
-        if not self.lr > 0:
-            raise ConfigError(f"optimizer.lr must be > 0, got {self.lr}")
-        for key in ("beta1", "beta2"):
-            if not 0 <= getattr(self, key) < 1:
-                raise ConfigError(f"optimizer.{key} must be in [0, 1), got {getattr(self, key)}")
-        if self.weight_decay < 0:
-            raise ConfigError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
-        if not self.eps > 0:  # eps <= 0 divides by zero (or flips the update's sign) where a moment is zero
-            raise ConfigError(f"optimizer.eps must be > 0, got {self.eps}; e.g. 1e-8")
-
-
-@dataclass
-class LRSchedulerConfig:
-    warmup_steps: int = field(default=0, metadata={"help": "steps of linear warmup from lr / warmup_steps up to lr; "
-                                                           "0 = start at the peak"})
-    # After warmup: cosine or linear decay to min_lr_ratio * lr over the rest of
-    # the run; "wsd" (warmup-stable-decay) holds the peak and decays linearly
-    # over the last `decay_ratio` of the steps; "constant" holds the peak.
-    decay_type: Literal["cosine", "linear", "wsd", "constant"] = field(default="cosine", metadata={
-        "help": "after warmup: cosine/linear decay to the end, wsd = hold then decay linearly, constant = hold"})
-    min_lr_ratio: float = field(default=0.1, metadata={
-        "help": "final lr as a fraction of optimizer.lr (cosine, linear, wsd), in [0, 1]"})
-    decay_ratio: float = field(default=0.2, metadata={
-        "help": "wsd only: fraction of the post-warmup steps spent decaying, in (0, 1]"})
-
-    def __post_init__(self) -> None:
-        if self.warmup_steps < 0:
-            raise ConfigError(f"lr_scheduler.warmup_steps must be >= 0, got {self.warmup_steps}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ConfigError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
-        if not 0 < self.decay_ratio <= 1:
-            raise ConfigError(f"lr_scheduler.decay_ratio must be in (0, 1], got {self.decay_ratio}")
 
 
 def resolve_implementation(implementation: str, params: Iterable[torch.Tensor], state_dtype: str = "float32",

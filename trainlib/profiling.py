@@ -19,43 +19,17 @@ from __future__ import annotations
 
 import gc
 import logging
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 from torch.profiler import ProfilerAction, ProfilerActivity
 
-from trainlib.errors import ConfigError
+from trainlib.sections import ProfilingConfig
 
 logger = logging.getLogger("trainlib")
 
 # Allocation events the memory history keeps (a ring buffer): enough for a few steps of a large model.
 MEMORY_HISTORY_ENTRIES = 100_000
-
-
-@dataclass
-class ProfilingConfig:
-    enable_profiling: bool = field(default=False, metadata={"help": "trace a window of steps with torch.profiler"})
-    save_traces_folder: str = field(default="profile_traces", metadata={"help": "traces folder, in the run folder"})
-    profile_freq: int = field(default=100, metadata={"help": "a traced window ends every profile_freq steps"})
-    profile_warmup: int = field(default=3, metadata={"help": "steps profiled but not kept before each window"})
-    profile_active: int = field(default=1, metadata={"help": "steps recorded per window"})
-    profile_windows: int = field(default=0, metadata={"help": "windows to trace; 0 = every profile_freq steps"})
-    enable_memory_snapshot: bool = field(default=False, metadata={
-        "help": "CUDA only: record the allocator's history, dump it after memory_snapshot_step and on OOM"})
-    save_memory_snapshot_folder: str = field(default="memory_snapshot", metadata={
-        "help": "memory snapshots folder, in the run folder"})
-    memory_snapshot_step: int = field(default=2, metadata={"help": "the step after which the snapshot is dumped"})
-
-    def __post_init__(self) -> None:
-        for key, low in (("profile_freq", 1), ("profile_warmup", 0), ("profile_active", 1), ("profile_windows", 0),
-                         ("memory_snapshot_step", 1)):
-            if getattr(self, key) < low:
-                raise ConfigError(f"profiling.{key} must be >= {low}, got {getattr(self, key)}")
-        if self.profile_warmup + self.profile_active > self.profile_freq:
-            raise ConfigError(
-                f"profiling.profile_warmup ({self.profile_warmup}) + profile_active ({self.profile_active}) must "
-                f"fit in profile_freq ({self.profile_freq}) steps; raise profile_freq or shorten the window")
 
 
 class Profiler:

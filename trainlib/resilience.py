@@ -48,34 +48,19 @@ import sys
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from trainlib.errors import EXIT_HUNG, ConfigError
+from trainlib.sections import WatchdogConfig
 
 # Ctrl-C (SIGINT) too: the same stop with a checkpoint; a second Ctrl-C aborts at once (Preemption._on_signal).
 PREEMPTION_SIGNALS = (signal.SIGTERM, signal.SIGUSR1, signal.SIGINT)
 EXIT_ABORTED = 130  # a second Ctrl-C: 128 + SIGINT, as a shell reports it
 _HANG_KEY = "trainlib/hang"
 _MONITOR = "trainlib_monitor"  # the description of StepMonitor's process group
-
-
-@dataclass
-class WatchdogConfig:
-    enable: bool = field(default=True, metadata={"help": "detect a hung step; stacks of every rank go to <dump_folder>/hang/"})
-    step_factor: float = field(default=10.0, metadata={
-        "help": "a step is hung after step_factor x the median of the last 100 step times (and min_seconds)"})
-    min_seconds: float = field(default=30.0, metadata={
-        "help": "never call a step hung before this; must be below comm.train_timeout_seconds / 2"})
-
-    def __post_init__(self) -> None:
-        if not self.step_factor > 1:
-            raise ConfigError(f"watchdog.step_factor must be > 1 (a multiple of the median step time), got {self.step_factor}")
-        if not self.min_seconds > 0:
-            raise ConfigError(f"watchdog.min_seconds must be > 0, got {self.min_seconds}")
 
 
 class Preemption:

@@ -17,6 +17,66 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from trainlib.config import ConfigError, JobConfig, config_to_dict, load_job_config, save_config
+from trainlib.config.cli import RecipeArgumentParser
+from trainlib.config.loader import describe
+from trainlib.errors import (EXIT_INTERNAL, EXIT_PREEMPTED, EXIT_STOPPED, EXIT_USER, Preempted, TrainingStopped,
+                             print_once_per_node, report_crash, report_user_error, verdict_line, writable_folder)
+
+DESCRIPTION = """Trains a model (model.name: its family, model.flavor: its shape) as the recipe
+says. Any recipe key can be overridden as --section.key=value or --section.key
+value. Without --recipe the built-in defaults run (the debug model on the
+shipped corpus)."""
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = RecipeArgumentParser("[torchrun --nproc-per-node=N] python -m trainlib.train", DESCRIPTION,
+                                  epilog="recipe keys (section.key = default  # type; help):\n" + describe(JobConfig))
+    parser.add_argument("--list-recipes", action="store_true", help="list the shipped recipes and exit")
+    if parser.help_requested(argv):
+        return 0
+    run_dir = None  # where a crash report goes, once the config names it
+    try:
+        ns, overrides = parser.parse_recipe_args(argv)
+        if ns.list_recipes:
+            from trainlib.config.recipes import available_recipes
+
+            width = max(map(len, available_recipes()))
+            print("\n".join(f"{name:<{width}}  {about}" for name, about in available_recipes().items()))
+            return 0
+        cfg = load_job_config(ns.recipe, overrides)
+        run_dir = cfg.job.dump_folder
+        from trainlib.train import train  # the job, with torch: this module under its own name (see above)
+
+        train(cfg)
+    except ConfigError as e:  # one line per node, and one from a rank whose error is its own
+        report_user_error(e)
+        return EXIT_USER
+    except TrainingStopped:  # a verdict every rank reached alike; train() has said it
+        return EXIT_STOPPED
+    except Preempted:  # every rank saved the same step; train() has said so
+        return EXIT_PREEMPTED
+    except Exception as e:  # not a message: the traceback, kept whole, once per node (trainlib.errors)
+        report_crash(e, run_dir)
+        return EXIT_INTERNAL
+    return 0
+
+
+if __name__ == "__main__":
+    code = main()
+    # Everything is written, flushed and closed by now. Skipping interpreter
+    # finalization avoids a known abort (SIGABRT, "terminate called without an
+    # active exception") when gloo worker threads are torn down during it,
+    # which turned successful runs into failures about once in tens of runs.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+# The job. Imported after main and its guard, so that `python -m trainlib.train` answers --help,
+# --list-recipes and a command line or recipe it refuses before torch is imported (seconds): main
+# then imports this module under its own name, trainlib.train, to train.
 import torch
 import torch.distributed as dist
 from torch import nn
@@ -24,13 +84,10 @@ from torch import nn
 from trainlib.build import build_model_parts, describe_choices
 from trainlib.checkpoint import Checkpointer, ModelState, OptimizerState, TrainState
 from trainlib.checkpoint.manager import checkpoint_root, latest_step, step_folder
-from trainlib.config import ConfigError, JobConfig, config_to_dict, load_job_config, save_config
 from trainlib.config.validate import resolve_local_batch_size, validate_job, validate_machine
 from trainlib.data import DataLoader, build_dataloader, build_tokenizer
 from trainlib.distributed import (DistInfo, barrier, destroy_distributed, from_rank0, init_distributed,
                                   set_collective_timeout)
-from trainlib.errors import (EXIT_INTERNAL, EXIT_PREEMPTED, EXIT_STOPPED, EXIT_USER, Preempted, TrainingStopped,
-                             print_once_per_node, report_crash, report_user_error, verdict_line, writable_folder)
 from trainlib.guard import Guard
 from trainlib.loss import count_targets
 from trainlib.metrics import MetricsLogger, setup_logging
@@ -274,55 +331,3 @@ def train(cfg: JobConfig) -> list[dict]:
         raise
     finally:
         destroy_distributed()
-
-
-DESCRIPTION = """Trains a model (model.name: its family, model.flavor: its shape) as the recipe
-says. Any recipe key can be overridden as --section.key=value or --section.key
-value. Without --recipe the built-in defaults run (the debug model on the
-shipped corpus)."""
-
-
-def main(argv: list[str] | None = None) -> int:
-    from trainlib.config.cli import RecipeArgumentParser
-    from trainlib.config.loader import describe
-
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser = RecipeArgumentParser("[torchrun --nproc-per-node=N] python -m trainlib.train", DESCRIPTION,
-                                  epilog="recipe keys (section.key = default  # type; help):\n" + describe(JobConfig))
-    parser.add_argument("--list-recipes", action="store_true", help="list the shipped recipes and exit")
-    if parser.help_requested(argv):
-        return 0
-    run_dir = None  # where a crash report goes, once the config names it
-    try:
-        ns, overrides = parser.parse_recipe_args(argv)
-        if ns.list_recipes:
-            from trainlib.config.recipes import available_recipes
-
-            width = max(map(len, available_recipes()))
-            print("\n".join(f"{name:<{width}}  {about}" for name, about in available_recipes().items()))
-            return 0
-        cfg = load_job_config(ns.recipe, overrides)
-        run_dir = cfg.job.dump_folder
-        train(cfg)
-    except ConfigError as e:  # one line per node, and one from a rank whose error is its own
-        report_user_error(e)
-        return EXIT_USER
-    except TrainingStopped:  # a verdict every rank reached alike; train() has said it
-        return EXIT_STOPPED
-    except Preempted:  # every rank saved the same step; train() has said so
-        return EXIT_PREEMPTED
-    except Exception as e:  # not a message: the traceback, kept whole, once per node (trainlib.errors)
-        report_crash(e, run_dir)
-        return EXIT_INTERNAL
-    return 0
-
-
-if __name__ == "__main__":
-    code = main()
-    # Everything is written, flushed and closed by now. Skipping interpreter
-    # finalization avoids a known abort (SIGABRT, "terminate called without an
-    # active exception") when gloo worker threads are torn down during it,
-    # which turned successful runs into failures about once in tens of runs.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)

@@ -14,33 +14,16 @@ curve compares like with like.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import FSDPModule
 
-from trainlib.data import DEFAULT_VALIDATION_PATH, DataConfig, build_dataloader
-from trainlib.errors import ConfigError
+from trainlib.data import DEFAULT_VALIDATION_PATH, build_dataloader
+from trainlib.sections import ValidationConfig
 from trainlib.loss import count_targets
 from trainlib.step import StepRunner
-
-
-@dataclass
-class ValidationConfig:
-    enable: bool = field(default=False, metadata={"help": "compute loss and perplexity on held-out data every "
-                                                          "interval steps and at the last step"})
-    interval: int = field(default=100, metadata={"help": "steps between validations (and always at the last step)"})
-    steps: int = field(default=10, metadata={"help": "global batches per validation (training.global_batch_size "
-                                                     "sequences each)"})
-    data: DataConfig = field(default_factory=DataConfig, metadata={
-        "help": "the validation data, keys as in [data]; unset path, hf_dataset and mixture = the shipped "
-                "corpus's held-out chapters (never trained on)"})
-
-    def __post_init__(self) -> None:
-        for key in ("interval", "steps"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"validation.{key} must be >= 1, got {getattr(self, key)}")
 
 
 class Validator:

@@ -143,3 +143,47 @@ def test_tools_share_the_grammar(capsys, tool, own_flags):
     assert main([*own_flags, "--training.stesp=3"]) == 2
     assert capsys.readouterr().err.strip() == (
         "trainlib: error: unknown key 'training.stesp' in --training.stesp; did you mean 'training.steps'?")
+
+
+# torch made unimportable: any import of it in the child raises ImportError, so these fail if a tool reads
+# its command line only after torch is imported (5-18 s of `import torch` and friends on a loaded machine).
+_WITHOUT_TORCH = ("import runpy, sys\n"
+                  "sys.modules['torch'] = None\n"
+                  "sys.argv = [sys.argv[0], *sys.argv[1:]]\n"
+                  "runpy.run_module(sys.argv.pop(1), run_name='__main__', alter_sys=True)\n")
+
+
+def _run_without_torch(tool: str, *args: str):
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-c", _WITHOUT_TORCH, tool, *args], capture_output=True, text=True,
+                          timeout=120)
+
+
+@pytest.mark.parametrize("tool", ["trainlib.train", "trainlib.plan", "trainlib.parity"])
+def test_help_is_answered_without_importing_torch(tool):
+    proc = _run_without_torch(tool, "--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: "), proc.stderr[-3000:]
+    if tool == "trainlib.train":  # the epilog: every recipe key, with its help (test_help_describes_every_key)
+        from trainlib.config.job import JobConfig
+        from trainlib.config.loader import describe
+
+        assert describe(JobConfig) in proc.stdout
+
+
+@pytest.mark.parametrize("args,expected", [
+    (["--training.stesp=3"], "trainlib: error: unknown key 'training.stesp' in --training.stesp; did you mean "
+                             "'training.steps'?"),
+    (["--optimizer.lr=inf"], "trainlib: error: optimizer.lr"),
+    (["--model.flavor=llama3.1_8"], "did you mean 'llama3.1_8b'?"),
+])
+def test_a_refused_command_line_is_answered_without_importing_torch(args, expected):
+    proc = _run_without_torch("trainlib.train", *args)
+    assert proc.returncode == 2 and expected in proc.stderr and len(proc.stderr.strip().splitlines()) == 1, \
+        proc.stderr[-3000:]
+
+
+def test_list_recipes_is_answered_without_importing_torch():
+    proc = _run_without_torch("trainlib.train", "--list-recipes")
+    assert proc.returncode == 0 and "debug" in proc.stdout, proc.stderr[-3000:]

@@ -29,13 +29,15 @@ LAYERS = [
      ["trainlib.errors", "trainlib.compat", "trainlib.guard", "trainlib.config.loader", "trainlib.config.cli", "trainlib.config.recipes", "trainlib.launch", "trainlib.hardware", "trainlib.loss", "trainlib.distributed", "trainlib.metrics", "trainlib.profiling",
       "trainlib.resilience",
       "trainlib.optim", "trainlib.adamw", "trainlib.precision", "trainlib.float8", "trainlib.data", "trainlib.data.*", "trainlib.models",
-      "trainlib.params", "trainlib.models.layers", "trainlib.models.moe", "trainlib.models.spec", "trainlib.models.*.model", "trainlib.models.*.state_dict_adapter"]),
+      "trainlib.params", "trainlib.models.layers", "trainlib.models.moe", "trainlib.models.spec", "trainlib.models.*.model", "trainlib.models.*.state_dict_adapter",
+      # the torch-free recipe sections and model shapes (the command line is read before torch is imported)
+      "trainlib.sections", "trainlib.models.config", "trainlib.models.*.args"]),
     ("parallel: the mesh, one module per axis, per-model parallelization",
      ["trainlib.parallel", "trainlib.parallel.*", "trainlib.models.*", "trainlib.step", "trainlib.build",
       "trainlib.validation",
       # Qwen3-MoE's model reuses Qwen3's attention: importing trainlib.models.qwen3.model runs the
       # trainlib.models.qwen3 package (its ModelSpec and parallel plan) too
-      "trainlib.models.qwen3_moe.model", "trainlib.models.qwen3_moe.state_dict_adapter"]),
+      "trainlib.models.qwen3_moe.model", "trainlib.models.qwen3_moe.state_dict_adapter", "trainlib.models.qwen3_moe.args"]),
     ("checkpoint: DCP save/load of Stateful parts, HF/Meta interop",
      ["trainlib.checkpoint", "trainlib.checkpoint.*"]),
     ("job config: composes every component's config; cross-field validation",
@@ -151,3 +153,20 @@ def test_a_lazy_upward_import_is_caught(tmp_path):
     assert "trainlib.checkpoint.manager (checkpoint) imports trainlib.convert (entry points)" in _upward(graph)
     cycle = _cycle(graph)
     assert cycle and {"trainlib.checkpoint.manager", "trainlib.convert"} <= set(cycle)
+
+
+def test_every_public_name_of_a_lazy_package_loads():
+    """The packages load most of their names on first use (PEP 562 `__getattr__`, so that the command line
+    is read before torch is imported): each name in `__all__` must resolve, and `import trainlib` alone
+    must not import torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, trainlib, trainlib.config\nassert 'torch' not in sys.modules, 'import trainlib imported torch'"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
+    for package in ("trainlib", "trainlib.checkpoint", "trainlib.data", "trainlib.parallel", "trainlib.plan",
+                    "trainlib.models.llama3", "trainlib.models.qwen3", "trainlib.models.qwen3_moe"):
+        module = importlib.import_module(package)
+        for name in module.__all__:
+            assert getattr(module, name) is not None, f"{package}.{name}"
+    assert {"ModelParts", "JobConfig", "Transformer", "ParallelDims", "build_model_parts"} <= set(trainlib.__all__)

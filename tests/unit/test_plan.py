@@ -294,7 +294,7 @@ def test_memory_categories_are_zero_where_they_do_not_apply():
     assert first.memory["pp_buffers"] > 0 and first.memory["fsdp_unsharded"] == 0
 
 
-# Measured on one H200 (docs/performance.md, "GPU benchmark"): 8 blocks of
+# Measured on one H200 (benchmarks/speed-history.md, "GPU benchmark"): 8 blocks of
 # Llama 3.1 8B (1B: 16 blocks of Llama 3.2 1B), seq 8192, batch 1, compile,
 # bf16 autocast over fp32 weights, fused AdamW unless said; torch's
 # max_memory_allocated in GiB, which the planner's total less its allocator
@@ -326,7 +326,7 @@ def test_one_gpu_peak_is_the_larger_of_backward_start_and_optimizer_step(name):
 # float8 rows over their bf16 row (step seconds): what was converted, the float8 matmul speed-up and the
 # casts' bytes against the card's memory-bound rate (float8_cuts), over the whole planned step. The float8
 # constants are fitted with the step's other rates to the three H200 rows' steps (trainlib.plan.calibration;
-# docs/performance.md, "GPU benchmark"): Llama 3.2 1B's smaller linears (2048-3277) set the casts, the 8B
+# benchmarks/speed-history.md, "GPU benchmark"): Llama 3.2 1B's smaller linears (2048-3277) set the casts, the 8B
 # rows' (4096-6372) then the speed-ups.
 L8B_SAC = ["model.flavor=llama3.1_8b", "model.n_layers=8", *SEL]
 L1B_NONE = ["model.flavor=llama3.2_1b", "model.n_layers=16", "activation_checkpoint.mode=none"]

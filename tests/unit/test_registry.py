@@ -61,3 +61,15 @@ def test_model_args_applies_the_shape_overrides():
     assert (args.dim, args.n_layers, args.vocab_size) == (4096, 2, 1024)
     with pytest.raises(ConfigError, match="model.n_layers must be >= 1"):
         load_job_config(None, ["--model.n_layers=0"])
+
+
+def test_the_torch_free_flavor_table_lists_the_registrys_families():
+    """`model.name` and `model.flavor` are checked against trainlib.models.flavors (no torch); the job
+    builds from the registry's specs: one family added to one and not the other fails here."""
+    from trainlib.models.flavors import DEFAULT_MODEL, FAMILIES
+
+    assert list(FAMILIES) == list(registry.MODELS) and DEFAULT_MODEL in FAMILIES
+    for name, family in FAMILIES.items():
+        spec = registry.MODELS[name]
+        assert (spec.flavors, spec.get_args, spec.args_type) == (family.FLAVORS, family.get_model_args,
+                                                                 family.ModelArgs)

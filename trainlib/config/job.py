@@ -1,5 +1,8 @@
 """The job config: one section per component, each that component's own dataclass.
 
+Torch-free, as is every section it composes (trainlib.sections): the command line is answered
+before torch is imported.
+
 A recipe is a TOML file whose tables are these sections. Components receive
 only their own section (the optimizer gets `OptimizerConfig`, not the job).
 """
@@ -9,23 +12,15 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from trainlib.checkpoint.manager import CheckpointConfig
-from trainlib.data import DataConfig, TokenizerConfig
-from trainlib.distributed import CommConfig
+from trainlib.checkpoint.config import CheckpointConfig
+from trainlib.data.config import DataConfig
+from trainlib.data.tokenizer import TokenizerConfig
 from trainlib.errors import ConfigError
-from trainlib.metrics import MetricsConfig
-from trainlib.float8 import Float8Config
-from trainlib.guard import GuardConfig
-from trainlib.loss import LossConfig
-from trainlib.models.moe import MoEConfig
-from trainlib.models.registry import DEFAULT_MODEL, MODELS, model_args
-from trainlib.optim import LRSchedulerConfig, OptimizerConfig
-from trainlib.parallel.ac import ActivationCheckpointConfig
-from trainlib.parallel.compile import CompileConfig
-from trainlib.parallel.config import ParallelismConfig
-from trainlib.profiling import ProfilingConfig
-from trainlib.resilience import WatchdogConfig
-from trainlib.validation import ValidationConfig
+from trainlib.models.config import MoEConfig
+from trainlib.models.flavors import DEFAULT_MODEL, FAMILIES, model_args
+from trainlib.parallel.config import ActivationCheckpointConfig, CompileConfig, ParallelismConfig
+from trainlib.sections import (CommConfig, Float8Config, GuardConfig, LossConfig, LRSchedulerConfig, MetricsConfig,
+                               OptimizerConfig, ProfilingConfig, ValidationConfig, WatchdogConfig)
 
 
 @dataclass
@@ -42,9 +37,9 @@ class JobSection:
 @dataclass
 class ModelConfig:
     name: str = field(default=DEFAULT_MODEL, metadata={"help": "model family (trainlib.models.registry): "
-                                                          + ", ".join(MODELS)})
+                                                          + ", ".join(FAMILIES)})
     flavor: str = field(default="debug", metadata={"help": "; ".join(
-        f"{spec.name}: {', '.join(spec.flavors)}" for spec in MODELS.values())})
+        f"{name}: {', '.join(family.FLAVORS)}" for name, family in FAMILIES.items())})
     # Shape overrides on top of the flavor, for scaled-down experiments and
     # benchmarks (e.g. 8B layers but fewer of them on one GPU).
     n_layers: int | None = field(default=None, metadata={"help": "number of transformer blocks; none = the flavor's"})

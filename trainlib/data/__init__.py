@@ -1,17 +1,14 @@
 """Data: tokenizers, the shipped corpus, the packed DP-shardable loaders (on the fly, or over
-prepared token shards written by `python -m trainlib.data.prepare`)."""
+prepared token shards written by `python -m trainlib.data.prepare`).
 
-from trainlib.data.dataset import (
-    DEFAULT_CORPUS_PATH,
-    DEFAULT_VALIDATION_PATH,
-    DataConfig,
-    DataLoader,
-    PackedDataLoader,
-    build_dataloader,
-    document_ids,
-    resolve_data_files,
-)
-from trainlib.data.prepared import PreparedDataLoader
+The recipe sections (`config.py`, `tokenizer.py`) import without torch; the
+loaders load on first use, so that reading a recipe does not import torch
+(trainlib.sections).
+"""
+
+from __future__ import annotations
+
+from trainlib.data.config import DEFAULT_CORPUS_PATH, DEFAULT_VALIDATION_PATH, DataConfig
 from trainlib.data.tokenizer import (
     ByteTokenizer,
     HFTokenizer,
@@ -38,3 +35,14 @@ __all__ = [
     "TokenizerConfig",
     "build_tokenizer",
 ]
+
+
+def __getattr__(name: str):
+    # Imported here, not at the top: these modules import torch.
+    if name in ("DataLoader", "PackedDataLoader", "build_dataloader", "document_ids", "resolve_data_files"):
+        from trainlib.data import dataset as module
+    elif name in ("PreparedDataLoader",):
+        from trainlib.data import prepared as module
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(module, name)

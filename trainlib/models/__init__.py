@@ -1,6 +1,11 @@
 """Model families (one package each) and the registry that selects them (`registry.py`)."""
 
-from torch import nn
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # torch is not imported here: the families' flavors are read without it
+    from torch import nn
 
 
 def count_params(model: nn.Module) -> int:

@@ -44,73 +44,14 @@ from __future__ import annotations
 
 import contextlib
 import math
-from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainlib.errors import ConfigError
+from trainlib.models.config import MoEArgs, MoEConfig
 
 __all__ = ["GroupedExperts", "MoE", "MoEArgs", "MoEConfig", "Router", "aux_loss_scale", "moe_layers", "uncounted"]
-
-
-@dataclass(frozen=True)
-class MoEArgs:
-    """The shape of one MoE block (a family's flavor holds it)."""
-
-    n_experts: int
-    top_k: int
-    expert_dim: int  # each routed expert's hidden width
-    n_shared_experts: int = 0  # shared experts, as one gated MLP of n_shared_experts * expert_dim
-    score_func: Literal["softmax", "sigmoid"] = "softmax"
-    route_norm: bool = True  # the chosen experts' weights sum to 1
-    route_scale: float = 1.0
-    n_groups: int = 1  # group-limited routing: experts in n_groups groups of n_experts / n_groups
-    topk_groups: int = 1  # tokens choose among the experts of this many groups
-
-    def validate(self) -> None:
-        for key in ("n_experts", "top_k", "expert_dim", "n_groups", "topk_groups"):
-            if getattr(self, key) < 1:
-                raise ConfigError(f"model.moe {key} must be >= 1, got {getattr(self, key)}")
-        if self.top_k > self.n_experts:
-            raise ConfigError(f"model.moe top_k ({self.top_k}) must be at most n_experts ({self.n_experts})")
-        if self.score_func not in ("softmax", "sigmoid"):
-            raise ConfigError(f"model.moe score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")
-        if self.n_experts % self.n_groups or self.topk_groups > self.n_groups:
-            raise ConfigError(f"group-limited routing needs n_groups ({self.n_groups}) dividing n_experts "
-                              f"({self.n_experts}) and topk_groups ({self.topk_groups}) <= n_groups")
-        if self.n_groups > 1 and self.topk_groups * self.n_experts // self.n_groups < self.top_k:
-            raise ConfigError(f"topk_groups ({self.topk_groups}) groups of {self.n_experts // self.n_groups} "
-                              f"experts hold fewer than top_k ({self.top_k}) experts; raise topk_groups")
-
-
-@dataclass
-class MoEConfig:
-    """Training-time settings of every MoE block (the `[moe]` recipe section); dense families ignore them."""
-
-    load_balance: Literal["bias", "none"] = field(default="bias", metadata={
-        "help": "'bias': the auxiliary-loss-free per-expert bias, updated after every optimizer step from the "
-                "global batch's token counts; 'none': no bias"})
-    bias_update_rate: float = field(default=1e-3, metadata={
-        "help": "how far each expert's bias moves per optimizer step (DeepSeek-V3: 1e-3)"})
-    seq_aux_loss_coef: float = field(default=0.0, metadata={
-        "help": "weight of the sequence-wise load-balance loss (0: off)"})
-    z_loss_coef: float = field(default=0.0, metadata={
-        "help": "weight of the router z-loss, mean logsumexp(logits)^2 over tokens (0: off)"})
-    capacity_factor: float = field(default=0.0, metadata={
-        "help": "0: dropless; c > 0: an expert takes at most ceil(c * tokens * top_k / n_experts) assignments "
-                "per forward, its highest-weighted; the rest are dropped and counted"})
-    grouped_mm: bool = field(default=True, metadata={
-        "help": "run the experts as one grouped matmul (false: a loop over experts; the same values, slower)"})
-
-    def __post_init__(self) -> None:
-        if self.load_balance not in ("bias", "none"):
-            raise ConfigError(f"moe.load_balance must be 'bias' or 'none', got {self.load_balance!r}")
-        for key in ("bias_update_rate", "seq_aux_loss_coef", "z_loss_coef", "capacity_factor"):
-            if getattr(self, key) < 0:
-                raise ConfigError(f"moe.{key} must be >= 0, got {getattr(self, key)}")
 
 
 # ----------------------------------------------------------------- the aux-loss scale

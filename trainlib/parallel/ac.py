@@ -27,9 +27,7 @@ from __future__ import annotations
 
 import logging
 from collections import defaultdict
-from dataclasses import dataclass, field
 from functools import partial
-from typing import Literal
 
 import torch
 from torch import nn
@@ -37,24 +35,11 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoi
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
 from trainlib.errors import ConfigError
+from trainlib.parallel.config import ActivationCheckpointConfig
 
 logger = logging.getLogger("trainlib")
 
 MODES = ("none", "full", "selective_layer", "selective_op")
-
-
-@dataclass
-class ActivationCheckpointConfig:
-    mode: Literal["none", "full", "selective_layer", "selective_op"] = field(default="none", metadata={
-        "help": "recompute in backward: full = every block, selective_layer = blocks 0, k, 2k, ..., "
-                "selective_op = cheap ops"})
-    every_k: int = field(default=2, metadata={"help": "selective_layer: checkpoint blocks 0, k, 2k, ..."})
-    selective_op_policy: Literal["all_mm", "every_other_mm"] = field(default="all_mm", metadata={
-        "help": "selective_op: save every matmul's output (all_mm) or every other one's (every_other_mm)"})
-
-    def __post_init__(self) -> None:
-        if self.every_k < 1:
-            raise ConfigError(f"activation_checkpoint.every_k must be >= 1, got {self.every_k}")
 
 
 def _matmul_ops() -> set:

@@ -1,4 +1,4 @@
-"""Recipe section [compile]: torch.compile per transformer block.
+"""torch.compile per transformer block (recipe section [compile]: `CompileConfig`, in trainlib.parallel.config).
 
 Per block, not the whole model: every block has the same code and shapes, so
 one compiled graph is reused by all of them (compile time does not grow with
@@ -10,21 +10,10 @@ init and checkpoint keys strip it (trainlib.params.canonical_name).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
 import torch
 from torch import nn
 
-
-@dataclass
-class CompileConfig:
-    enable: bool = field(default=False, metadata={"help": "torch.compile each transformer block (one graph shared by "
-                                                         "all blocks)"})
-    # Also compile the loss (fuses the fp32 upcast of the logits with the
-    # cross-entropy, which saves a [tokens, vocab] fp32 copy).
-    loss: bool = field(default=False, metadata={
-        "help": "also compile the loss (only with compile.enable); saves an fp32 [tokens, vocab] copy"})
-    backend: str = field(default="inductor", metadata={"help": "torch.compile backend for the blocks and the loss"})
+from trainlib.parallel.config import CompileConfig
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor") -> nn.Module:

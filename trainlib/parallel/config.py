@@ -1,4 +1,6 @@
-"""Recipe section [parallelism]: the degrees of the axes (the five dense ones and ep) and their options."""
+"""Recipe sections [parallelism] (the degrees of the axes, the five dense ones and ep, and their options),
+[activation_checkpoint] (trainlib.parallel.ac) and [compile] (trainlib.parallel.compile); torch-free, so
+that the command line is answered before torch is imported (see trainlib.sections)."""
 
 from __future__ import annotations
 
@@ -6,7 +8,20 @@ from dataclasses import dataclass, field
 from typing import Literal
 
 from trainlib.errors import ConfigError
-from trainlib.parallel.parallel_dims import AXES, check_degrees
+
+AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the dense view
+EXPERT_AXES = ("pp", "dp_replicate", "efsdp", "ep")  # the sparse view (experts), over the same ranks
+
+
+def check_degrees(degrees: dict[str, int]) -> None:
+    """Each degree is an integer >= 1 (dp_shard may be -1: all remaining ranks).
+    Also run when a [parallelism] section loads, before the world size is known."""
+    for name, value in degrees.items():
+        if not isinstance(value, int) or isinstance(value, bool):
+            raise ConfigError(f"parallelism.{name} must be an integer, got {value!r}")
+        if value < 1 and not (name == "dp_shard" and value == -1):
+            hint = " (or -1 for 'all remaining ranks')" if name == "dp_shard" else ""
+            raise ConfigError(f"parallelism.{name} must be >= 1{hint}, got {value}")
 
 
 @dataclass
@@ -65,3 +80,28 @@ class ParallelismConfig:
         for key in ("pp_microbatches", "pp_stages_per_rank"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"parallelism.{key} must be >= 1 (or unset for the default), got {getattr(self, key)}")
+
+
+@dataclass
+class ActivationCheckpointConfig:
+    mode: Literal["none", "full", "selective_layer", "selective_op"] = field(default="none", metadata={
+        "help": "recompute in backward: full = every block, selective_layer = blocks 0, k, 2k, ..., "
+                "selective_op = cheap ops"})
+    every_k: int = field(default=2, metadata={"help": "selective_layer: checkpoint blocks 0, k, 2k, ..."})
+    selective_op_policy: Literal["all_mm", "every_other_mm"] = field(default="all_mm", metadata={
+        "help": "selective_op: save every matmul's output (all_mm) or every other one's (every_other_mm)"})
+
+    def __post_init__(self) -> None:
+        if self.every_k < 1:
+            raise ConfigError(f"activation_checkpoint.every_k must be >= 1, got {self.every_k}")
+
+
+@dataclass
+class CompileConfig:
+    enable: bool = field(default=False, metadata={"help": "torch.compile each transformer block (one graph shared by "
+                                                         "all blocks)"})
+    # Also compile the loss (fuses the fp32 upcast of the logits with the
+    # cross-entropy, which saves a [tokens, vocab] fp32 copy).
+    loss: bool = field(default=False, metadata={
+        "help": "also compile the loss (only with compile.enable); saves an fp32 [tokens, vocab] copy"})
+    backend: str = field(default="inductor", metadata={"help": "torch.compile backend for the blocks and the loss"})

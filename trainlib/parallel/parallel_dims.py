@@ -37,21 +37,7 @@ import torch.testing._internal.distributed.fake_pg  # noqa: F401  registers the 
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from trainlib.errors import ConfigError
-
-AXES = ("pp", "dp_replicate", "dp_shard", "cp", "tp")  # the dense view
-EXPERT_AXES = ("pp", "dp_replicate", "efsdp", "ep")  # the sparse view (experts), over the same ranks
-
-
-def check_degrees(degrees: dict[str, int]) -> None:
-    """Each degree is an integer >= 1 (dp_shard may be -1: all remaining ranks).
-    Also run when a [parallelism] section loads, before the world size is known."""
-    for name, value in degrees.items():
-        if not isinstance(value, int) or isinstance(value, bool):
-            raise ConfigError(f"parallelism.{name} must be an integer, got {value!r}")
-        if value < 1 and not (name == "dp_shard" and value == -1):
-            hint = " (or -1 for 'all remaining ranks')" if name == "dp_shard" else ""
-            raise ConfigError(f"parallelism.{name} must be >= 1{hint}, got {value}")
-
+from trainlib.parallel.config import AXES, EXPERT_AXES, check_degrees
 
 @dataclass
 class ParallelDims:

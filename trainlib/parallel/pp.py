@@ -18,38 +18,29 @@ first and last stage share rank 0.
 from __future__ import annotations
 
 import copy
+import functools
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.pipelining import (
-    PipelineStage,
-    Schedule1F1B,
-    ScheduleDualPipeV,
-    ScheduleGPipe,
-    ScheduleInterleaved1F1B,
-    ScheduleInterleavedZeroBubble,
-    ScheduleLoopedBFS,
-    ScheduleZBVZeroBubble,
-)
 
 from trainlib.errors import ConfigError
 from trainlib.loss import cross_entropy_sum
 from trainlib.models.moe import uncounted
 from trainlib.models.spec import StageRoots
 
-SCHEDULES = {
-    "GPipe": ScheduleGPipe,
-    "1F1B": Schedule1F1B,
-    "Interleaved1F1B": ScheduleInterleaved1F1B,
-    "LoopedBFS": ScheduleLoopedBFS,
-    "InterleavedZeroBubble": ScheduleInterleavedZeroBubble,
-    "ZBVZeroBubble": ScheduleZBVZeroBubble,
-    "DualPipeV": ScheduleDualPipeV,
-}
+if TYPE_CHECKING:
+    from torch.distributed.pipelining import PipelineStage
+
+# torch.distributed.pipelining is imported when a pipeline is built, not with this module: it imports
+# torch._dynamo and inductor, about a third of every process's start-up (1.7 s of CPU measured here),
+# which only jobs with pp > 1 need. `SCHEDULES` (name -> class) and `_Stage` load it on first use.
+SCHEDULE_NAMES = ("GPipe", "1F1B", "Interleaved1F1B", "LoopedBFS", "InterleavedZeroBubble", "ZBVZeroBubble",
+                  "DualPipeV")
 SINGLE_STAGE_SCHEDULES = ("GPipe", "1F1B")
 V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 # These split backward into input-grad and weight-grad passes run at different
@@ -58,10 +49,17 @@ V_SCHEDULES = ("ZBVZeroBubble", "DualPipeV")
 ZERO_BUBBLE_SCHEDULES = ("InterleavedZeroBubble", "ZBVZeroBubble", "DualPipeV")
 
 
+@functools.cache
+def _schedules() -> dict[str, type]:
+    from torch.distributed import pipelining
+
+    return {name: getattr(pipelining, f"Schedule{name}") for name in SCHEDULE_NAMES}
+
+
 def schedule_class(name: str) -> type:
-    if name not in SCHEDULES:
-        raise ConfigError(f"unknown parallelism.pp_schedule '{name}'; valid: {', '.join(SCHEDULES)}")
-    return SCHEDULES[name]
+    if name not in SCHEDULE_NAMES:
+        raise ConfigError(f"unknown parallelism.pp_schedule '{name}'; valid: {', '.join(SCHEDULE_NAMES)}")
+    return _schedules()[name]
 
 
 def stages_per_rank(schedule: str, given: int | None) -> int:
@@ -111,14 +109,28 @@ def split_stage(model: nn.Module, first_layer: int, n_layers: int, is_first: boo
     return copy.deepcopy(model, memo)
 
 
-class _Stage(PipelineStage):
-    """A PipelineStage whose metadata inference (torch runs the stage's forward on placeholder inputs before
-    its first micro-batch) leaves MoE routing statistics alone: they feed the expert bias, which must see
-    the global batch's tokens only (tests/e2e/test_moe.py's pp=2 parity fails without this)."""
+@functools.cache
+def _stage_class() -> type:
+    from torch.distributed.pipelining import PipelineStage
 
-    def _forward_metadata_inference(self, *args, **kwargs):
-        with uncounted():
-            return super()._forward_metadata_inference(*args, **kwargs)
+    class _Stage(PipelineStage):
+        """A PipelineStage whose metadata inference (torch runs the stage's forward on placeholder inputs
+        before its first micro-batch) leaves MoE routing statistics alone: they feed the expert bias, which
+        must see the global batch's tokens only (tests/e2e/test_moe.py's pp=2 parity fails without this)."""
+
+        def _forward_metadata_inference(self, *args, **kwargs):
+            with uncounted():
+                return super()._forward_metadata_inference(*args, **kwargs)
+
+    return _Stage
+
+
+def __getattr__(name: str):
+    if name == "SCHEDULES":
+        return _schedules()
+    if name == "_Stage":
+        return _stage_class()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 @dataclass
@@ -232,7 +244,7 @@ def pipeline_stages(
         part = split_stage(model, starts[sid], layer_counts[sid], sid == 0, sid == n_stages - 1, roots)
         part = parallelize(part)
         parts.append(part)
-        stages.append(_Stage(part, sid, n_stages, device, group=pp_mesh.get_group()))
+        stages.append(_stage_class()(part, sid, n_stages, device, group=pp_mesh.get_group()))
     owners = {sid: rank for rank in range(pp) for sid in stage_ids(rank, pp, n_stages_per_rank, schedule)}
     pipe = Pipeline(None, stages, parts, has_first=any(s.is_first for s in stages),
                     has_last=any(s.is_last for s in stages), n_microbatches=n_microbatches,

@@ -27,11 +27,25 @@ constants a user may want to change are in `trainlib.hardware.GPUS` and
 `hardware.ASSUMPTIONS`, printed with every plan.
 """
 
-from trainlib.plan.cli import format_plan, main
-from trainlib.plan.core import Plan, StagePlan, make_plan
-from trainlib.plan.hardware import ASSUMPTIONS, GPUS, GiB
-from trainlib.plan.memory import block_activation_bytes_per_token, microbatches_in_flight, state_bytes
-from trainlib.plan.search import suggest
+from __future__ import annotations
 
 __all__ = ["ASSUMPTIONS", "GPUS", "GiB", "Plan", "StagePlan", "block_activation_bytes_per_token", "format_plan",
            "main", "make_plan", "microbatches_in_flight", "state_bytes", "suggest"]
+
+
+def __getattr__(name: str):
+    # Loaded on first use, so that `python -m trainlib.plan --help` (or a bad flag) answers before torch
+    # is imported: core and search build the model.
+    if name in ("format_plan", "main"):
+        from trainlib.plan import cli as module
+    elif name in ("Plan", "StagePlan", "make_plan"):
+        from trainlib.plan import core as module
+    elif name in ("ASSUMPTIONS", "GPUS", "GiB"):
+        from trainlib.plan import hardware as module
+    elif name in ("block_activation_bytes_per_token", "microbatches_in_flight", "state_bytes"):
+        from trainlib.plan import memory as module
+    elif name in ("suggest",):
+        from trainlib.plan import search as module
+    else:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(module, name)

@@ -1,14 +1,20 @@
-"""`python -m trainlib.plan`: the planner's command line and its printed tables."""
+"""`python -m trainlib.plan`: the planner's command line and its printed tables.
+
+torch is imported only once the command line is read (`core` and `search` build
+the model): `--help` and a bad flag answer at once.
+"""
 
 from __future__ import annotations
 
 import json
 import sys
 from dataclasses import asdict
+from typing import TYPE_CHECKING
 
-from trainlib.plan.core import Plan, make_plan
 from trainlib.plan.hardware import GPUS, GiB
-from trainlib.plan.search import suggest
+
+if TYPE_CHECKING:
+    from trainlib.plan.core import Plan
 
 DESCRIPTION = """Checks a recipe for a cluster and predicts per-GPU memory and step time, without GPUs.
 Builds the job's own model on torch's fake process group, one pipeline rank at a
@@ -97,6 +103,9 @@ def main(argv: list[str] | None = None) -> int:
         a, overrides = ap.parse_recipe_args(argv)
         if a.world_size < 1:
             raise ConfigError(f"--world-size must be >= 1, got {a.world_size}")
+        from trainlib.plan.core import make_plan
+        from trainlib.plan.search import suggest
+
         if a.suggest:
             rows = suggest(a.recipe, a.world_size, a.gpu, overrides, a.top)
             print(json.dumps(rows, indent=1) if a.json else format_suggestions(rows, a.recipe, a.world_size, a.gpu))

@@ -1,34 +1,51 @@
 """Qwen3 dense: the model (model.py), its parallel plan (parallelize.py), its Hugging Face adapter
-(state_dict_adapter.py), and the one ModelSpec the registry lists."""
+(state_dict_adapter.py), its shapes (args.py), and the one ModelSpec the registry lists.
 
-from trainlib.models.qwen3 import state_dict_adapter
-from trainlib.models.qwen3.model import (
-    FLAVORS,
-    ModelArgs,
-    Transformer,
-    block_forward_flops,
-    block_shapes,
-    flops_per_token,
-    get_model_args,
-)
-from trainlib.models.qwen3.parallelize import parallelize_qwen3, validate_degrees
-from trainlib.models.spec import ModelSpec, StageRoots
+Everything but the shapes loads on first use: `args.py` imports without torch,
+and importing it runs this file (the command line and recipes are checked
+against the flavors before torch is imported, trainlib.models.flavors).
+"""
 
-SPEC = ModelSpec(
-    name="qwen3",
-    flavors=FLAVORS,
-    get_args=get_model_args,
-    args_type=ModelArgs,
-    model_cls=Transformer,
-    parallelize=parallelize_qwen3,
-    validate=validate_degrees,
-    stage_roots=StageRoots(first=("tok_embeddings",), last=("norm", "output")),
-    output_module="output",
-    flops_per_token=flops_per_token,
-    block_forward_flops=block_forward_flops,
-    block_shapes=block_shapes,
-    state_dict_adapter=state_dict_adapter,
-)
+from __future__ import annotations
 
-__all__ = ["FLAVORS", "ModelArgs", "SPEC", "Transformer", "block_forward_flops", "flops_per_token", "get_model_args",
-           "parallelize_qwen3", "state_dict_adapter"]
+import importlib
+
+from trainlib.models.qwen3.args import FLAVORS, NAME, ModelArgs, get_model_args
+
+# name -> the submodule that defines it (None: the name is a submodule)
+_MODULE_OF = {"Transformer": "model", "block_forward_flops": "model", "block_shapes": "model", "flops_per_token": "model", "parallelize_qwen3": "parallelize", "validate_degrees": "parallelize", "state_dict_adapter": None}
+
+__all__ = ['FLAVORS', 'ModelArgs', 'SPEC', 'Transformer', 'block_forward_flops', 'flops_per_token', 'get_model_args', 'parallelize_qwen3', 'state_dict_adapter']
+
+
+def __getattr__(name: str):
+    if name == "SPEC":
+        globals()["SPEC"] = spec = _spec()
+        return spec
+    if name not in _MODULE_OF:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = importlib.import_module(f"{__name__}.{_MODULE_OF[name] or name}")
+    return module if _MODULE_OF[name] is None else getattr(module, name)
+
+
+def _spec():
+    from trainlib.models.qwen3 import state_dict_adapter
+    from trainlib.models.qwen3.model import Transformer, block_forward_flops, block_shapes, flops_per_token
+    from trainlib.models.qwen3.parallelize import parallelize_qwen3, validate_degrees
+    from trainlib.models.spec import ModelSpec, StageRoots
+
+    return ModelSpec(
+        name=NAME,
+        flavors=FLAVORS,
+        get_args=get_model_args,
+        args_type=ModelArgs,
+        model_cls=Transformer,
+        parallelize=parallelize_qwen3,
+        validate=validate_degrees,
+        stage_roots=StageRoots(first=("tok_embeddings",), last=("norm", "output")),
+        output_module="output",
+        flops_per_token=flops_per_token,
+        block_forward_flops=block_forward_flops,
+        block_shapes=block_shapes,
+        state_dict_adapter=state_dict_adapter,
+    )

@@ -1,0 +1,49 @@
+"""The families' names and shapes, torch-free: what `[model]` is checked against when a recipe or
+the command line is read, before torch is imported (the registry, `registry.py`, holds the families'
+full `ModelSpec`s and imports torch).
+
+One line per family here and one in registry.py; tests/unit/test_registry.py checks they agree.
+"""
+
+from __future__ import annotations
+
+import difflib
+from types import ModuleType
+from typing import Any
+
+from trainlib.errors import ConfigError
+from trainlib.models.llama3 import args as llama3
+from trainlib.models.qwen3 import args as qwen3
+from trainlib.models.qwen3_moe import args as qwen3_moe
+
+# Each family's args module: NAME (its model.name), FLAVORS, ModelArgs, get_model_args.
+FAMILIES: dict[str, ModuleType] = {family.NAME: family for family in (
+    llama3,
+    qwen3,
+    qwen3_moe,
+)}
+
+# The family of a recipe that names none (model.name's default).
+DEFAULT_MODEL = llama3.NAME
+
+
+def check_name(name: str) -> None:
+    """An unknown model.name is one line naming the closest one."""
+    if name not in FAMILIES:
+        close = difflib.get_close_matches(name, FAMILIES, n=1)
+        hint = f"; did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"unknown model.name '{name}'{hint} (valid: {', '.join(FAMILIES)})")
+
+
+def model_args(model_cfg) -> Any:
+    """The model shape a [model] recipe section (ModelConfig) asks for: its
+    family's flavor with the n_layers / vocab_size overrides applied."""
+    check_name(model_cfg.name)
+    family = FAMILIES[model_cfg.name]
+    if model_cfg.flavor not in family.FLAVORS:
+        owners = [other.NAME for other in FAMILIES.values() if model_cfg.flavor in other.FLAVORS]
+        if owners:
+            raise ConfigError(f"model.flavor '{model_cfg.flavor}' is a flavor of {' and '.join(owners)}, but "
+                              f"model.name is '{family.NAME}'; set model.name = '{owners[0]}', or pick one of "
+                              f"{family.NAME}'s flavors: {', '.join(family.FLAVORS)}")
+    return family.get_model_args(model_cfg.flavor, n_layers=model_cfg.n_layers, vocab_size=model_cfg.vocab_size)

@@ -1,0 +1,283 @@
+"""The recipe sections of trainlib's single-module components, torch-free.
+
+Each class is its component's own section (`OptimizerConfig` is trainlib.optim's,
+`WatchdogConfig` trainlib.resilience's, ...) and each component re-exports it, so
+`from trainlib.optim import OptimizerConfig` works as before. They live here, apart
+from the code that uses them, because their modules import torch, and the command
+line (`--help`, a misspelled key, a value out of range) is answered before torch
+is imported, which takes seconds (docs/architecture.md). Stdlib only: keep it so
+(tests/unit/test_cli.py runs `--help` with torch made unimportable).
+Packages keep theirs in their own torch-free `config.py` (trainlib.data.config,
+trainlib.checkpoint.config, trainlib.parallel.config, trainlib.models.config).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from trainlib.data.config import DataConfig
+from trainlib.errors import ConfigError
+
+
+# ----------------------------------------------------------------- trainlib.distributed
+@dataclass
+class CommConfig:
+    # Generous for the first step, which includes compilation and the first
+    # all-gathers; strict afterwards, so that a hung rank ends the job with an
+    # error instead of holding every GPU forever.
+    init_timeout_seconds: float = field(default=600.0, metadata={
+        "help": "collective timeout (seconds) from process-group start through the first training step"})
+    train_timeout_seconds: float = field(default=300.0, metadata={
+        "help": "collective timeout (seconds) after the first step: a hung rank ends the job after this long"})
+    backend: Literal["auto", "gloo", "nccl"] = field(default="auto", metadata={
+        "help": "process-group backend; auto = nccl on CUDA, gloo on CPU (nccl needs job.device cuda)"})
+
+    def __post_init__(self) -> None:
+        for key in ("init_timeout_seconds", "train_timeout_seconds"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"comm.{key} must be > 0 seconds, got {getattr(self, key)}")
+
+
+# ----------------------------------------------------------------- trainlib.loss
+@dataclass
+class LossConfig:
+    # The model's forward stops at the final norm and the loss applies the
+    # output projection chunk by chunk (see chunked_cross_entropy_sum). False:
+    # whole logits, then the cross-entropy (about 3 fp32 [tokens, vocab]
+    # tensors at once at the loss).
+    chunked: bool = field(default=True, metadata={"help": "apply the output projection and cross-entropy chunk by "
+                                                        "chunk, never holding whole [tokens, vocab] logits"})
+    # Tokens per chunk; 0 = auto (resolve_chunk_tokens: 256 on CPU, up to
+    # 2048 on CUDA). A chunk's transient memory is about 3 fp32
+    # [chunk_tokens, vocab / tp] tensors (256 x 128256: 0.4 GB), plus the
+    # logits and their gradient in bf16 when the matmuls run in bf16.
+    chunk_tokens: int = field(default=0, metadata={"help": "tokens per chunk of the chunked loss; 0 = auto (256 on "
+                                                          "CPU, up to 2048 on CUDA)"})
+
+    def __post_init__(self) -> None:
+        if self.chunk_tokens < 0:
+            raise ConfigError(f"loss.chunk_tokens must be >= 1, or 0 for auto; got {self.chunk_tokens}")
+
+
+# ----------------------------------------------------------------- trainlib.optim
+@dataclass
+class OptimizerConfig:
+    name: Literal["adamw"] = field(default="adamw", metadata={"help": "the optimizer (AdamW, decoupled weight decay)"})
+    lr: float = field(default=3e-4, metadata={"help": "peak learning rate, reached after warmup; lr_scheduler "
+                                                       "scales it"})
+    beta1: float = field(default=0.9, metadata={"help": "decay rate of the gradient's running mean (first moment), "
+                                                         "in [0, 1)"})
+    beta2: float = field(default=0.95, metadata={"help": "decay rate of the squared gradient's running mean (second "
+                                                          "moment), in [0, 1)"})
+    eps: float = field(default=1e-8, metadata={"help": "added to the second moment's root in the update's "
+                                                        "denominator; > 0"})
+    weight_decay: float = field(default=0.1, metadata={"help": "decoupled weight decay of matrices (norm gains and "
+                                                                "other 1-D parameters get none); 0 = off"})
+    # "auto": fused (torch's one-kernel AdamW, for plain tensors and DTensors
+    # alike) when every parameter is on CUDA, foreach elsewhere (CPU keeps
+    # foreach's numerics); an explicit value is used as given. fused runs on
+    # CPU too, and lets the guard withhold an update without a host sync
+    # (trainlib.guard).
+    # "compiled": trainlib's AdamW (trainlib.adamw), one compiled pass per
+    # parameter on CUDA (eager elsewhere) that can keep its moments in bf16
+    # and writes the weights' bf16 copies under autocast in the same pass.
+    implementation: Literal["auto", "foreach", "fused", "for-loop", "compiled"] = field(default="auto", metadata={
+        "help": "AdamW code path; auto = compiled (trainlib's) for bf16 moments or bf16 weight copies, else fused "
+                "on CUDA, foreach on CPU"})
+    # The moments' dtype. "bfloat16" halves the optimizer state (the update
+    # is still computed in fp32) and needs implementation "compiled" or
+    # "auto" (which then picks it). Checkpoints record it; a resume refuses a
+    # checkpoint of the other dtype.
+    state_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={
+        "help": "dtype of AdamW's moments; bfloat16 halves optimizer state, needs implementation compiled or auto"})
+
+    def __post_init__(self) -> None:
+        if self.state_dtype != "float32" and self.implementation not in ("auto", "compiled"):
+            raise ConfigError(
+                f"optimizer.state_dtype = '{self.state_dtype}' needs optimizer.implementation 'compiled' (or "
+                f"'auto'), but it is '{self.implementation}': torch's {self.implementation} AdamW keeps its "
+                f"moments in the parameters' dtype; set implementation = 'compiled' or state_dtype = 'float32'")
+        if not self.lr > 0:
+            raise ConfigError(f"optimizer.lr must be > 0, got {self.lr}")
+        for key in ("beta1", "beta2"):
+            if not 0 <= getattr(self, key) < 1:
+                raise ConfigError(f"optimizer.{key} must be in [0, 1), got {getattr(self, key)}")
+        if self.weight_decay < 0:
+            raise ConfigError(f"optimizer.weight_decay must be >= 0, got {self.weight_decay}")
+        if not self.eps > 0:  # eps <= 0 divides by zero (or flips the update's sign) where a moment is zero
+            raise ConfigError(f"optimizer.eps must be > 0, got {self.eps}; e.g. 1e-8")
+
+
+@dataclass
+class LRSchedulerConfig:
+    warmup_steps: int = field(default=0, metadata={"help": "steps of linear warmup from lr / warmup_steps up to lr; "
+                                                           "0 = start at the peak"})
+    # After warmup: cosine or linear decay to min_lr_ratio * lr over the rest of
+    # the run; "wsd" (warmup-stable-decay) holds the peak and decays linearly
+    # over the last `decay_ratio` of the steps; "constant" holds the peak.
+    decay_type: Literal["cosine", "linear", "wsd", "constant"] = field(default="cosine", metadata={
+        "help": "after warmup: cosine/linear decay to the end, wsd = hold then decay linearly, constant = hold"})
+    min_lr_ratio: float = field(default=0.1, metadata={
+        "help": "final lr as a fraction of optimizer.lr (cosine, linear, wsd), in [0, 1]"})
+    decay_ratio: float = field(default=0.2, metadata={
+        "help": "wsd only: fraction of the post-warmup steps spent decaying, in (0, 1]"})
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 0:
+            raise ConfigError(f"lr_scheduler.warmup_steps must be >= 0, got {self.warmup_steps}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ConfigError(f"lr_scheduler.min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        if not 0 < self.decay_ratio <= 1:
+            raise ConfigError(f"lr_scheduler.decay_ratio must be in (0, 1], got {self.decay_ratio}")
+
+
+# ----------------------------------------------------------------- trainlib.guard
+@dataclass
+class GuardConfig:
+    """The guard's keys, in the [training] section (`TrainingConfig` extends this)."""
+
+    on_nonfinite: Literal["stop", "skip", "rollback"] = field(
+        default="stop", metadata={"help": "a NaN/Inf loss or grad norm: stop (exit 3), skip the update, or roll back "
+                                          "to the last checkpoint and move the data past it (docs/reliability.md)"})
+    on_spike: Literal["off", "stop", "skip", "rollback"] = field(
+        default="off", metadata={"help": "a loss spike (loss > spike_factor x median of the last spike_window good "
+                                         "steps): off, or the policy as for on_nonfinite"})
+    spike_factor: float = field(default=3.0, metadata={"help": "spike threshold, a multiple of the median loss"})
+    spike_window: int = field(default=50, metadata={
+        "help": "good steps in the median, and the warm-up before spikes are judged"})
+    max_skips: int = field(default=10, metadata={"help": "skips allowed per run; the next event stops the run"})
+    max_rollbacks: int = field(default=3, metadata={"help": "rollbacks allowed per run; the next event stops the run"})
+
+    def __post_init__(self) -> None:
+        if not self.spike_factor > 1:
+            raise ConfigError(f"training.spike_factor must be > 1, got {self.spike_factor}")
+        for key in ("spike_window", "max_skips", "max_rollbacks"):
+            if getattr(self, key) < (1 if key == "spike_window" else 0):
+                raise ConfigError(f"training.{key} must be >= {1 if key == 'spike_window' else 0}, "
+                                  f"got {getattr(self, key)}")
+
+
+# ----------------------------------------------------------------- trainlib.float8
+@dataclass
+class Float8Config:
+    enable: bool = field(default=False, metadata={
+        "help": "run the linear layers' matmuls in float8 (torchao; CUDA compute capability >= 8.9 unless emulate)"})
+    recipe: Literal["tensorwise", "rowwise", "rowwise_with_gw_hp"] = field(default="tensorwise", metadata={
+        "help": "tensorwise = a scale per tensor (fastest), rowwise = per row, rowwise_with_gw_hp = rowwise "
+                "but weight grads not in float8"})
+    # fnmatch patterns over module names (e.g. "output", "layers.0.*"); matching
+    # linears stay in high precision. Unset: the family's output projection
+    # (ModelSpec.output_module), whose error goes straight into the logits and
+    # which is one matmul; [] converts it too.
+    filter_fqns: list[str] | None = field(default=None, metadata={
+        "help": "fnmatch patterns of module names kept in high precision; none = the output projection; "
+                "[] = none kept"})
+    # Emulate float8 matmuls in high precision (casts still round to float8):
+    # for testing on hardware without float8 matmuls.
+    emulate: bool = field(default=False, metadata={
+        "help": "emulate float8 matmuls in high precision (casts still round): tests numerics anywhere, no speed-up"})
+    # tensorwise + FSDP: all-gather weights in float8 and precompute their
+    # scales after each optimizer step. Ignored by the rowwise recipes.
+    fsdp_float8_all_gather: bool = field(default=True, metadata={
+        "help": "tensorwise + FSDP: all-gather weights in float8 (half the bytes); ignored by rowwise recipes"})
+    # Linears whose size 2*in*out/(in+out) (the harmonic mean of their in and
+    # out features) is below this stay in high precision. Per token, float8
+    # halves a linear's matmul time, which grows as in*out, and adds casts of
+    # its input and output gradient, which grow as in+out: small or skinny
+    # linears lose. None: the recipe's bound, MIN_SIZE; 0: every linear with
+    # dims multiple of 16 (the behaviour before this key).
+    min_size: int | None = field(default=None, metadata={
+        "help": "linears with 2*in*out/(in+out) below this stay high precision; none = the recipe's bound; "
+                "0 = convert all"})
+
+    def __post_init__(self) -> None:
+        if self.min_size is not None and self.min_size < 0:
+            raise ConfigError(f"float8.min_size must be >= 0 (or unset for the recipe's bound), got {self.min_size}")
+
+
+# ----------------------------------------------------------------- trainlib.metrics
+@dataclass
+class MetricsConfig:
+    log_freq: int = field(default=10, metadata={"help": "steps between metric records (file, console, backends); "
+                                                      "step 1 and the last step are always logged"})
+    # A line per log step on rank 0. Off only for programs that print their own.
+    console: bool = field(default=True, metadata={"help": "print a line per logged step on rank 0; false for programs "
+                                                        "that print their own"})
+    enable_tensorboard: bool = field(default=False, metadata={
+        "help": "also write every numeric metric to TensorBoard event files in the run folder's save_tb_folder "
+                "(needs the extra: pip install 'trainlib[tensorboard]')"})
+    save_tb_folder: str = field(default="tb", metadata={"help": "TensorBoard folder, inside the run folder"})
+    enable_wandb: bool = field(default=False, metadata={
+        "help": "also log every numeric metric to Weights & Biases; its files go to the run folder's wandb/ "
+                "(needs the extra: pip install 'trainlib[wandb]')"})
+    wandb_project: str = field(default="trainlib", metadata={"help": "W&B project the run is logged to (enable_wandb)"})
+    wandb_entity: str | None = field(default=None, metadata={"help": "W&B team or user; unset: your default"})
+    wandb_mode: Literal["online", "offline"] | None = field(default=None, metadata={
+        "help": "W&B mode; offline writes only local files (`wandb sync` uploads them later). "
+                "The WANDB_MODE environment variable, when set, wins; unset both: online"})
+
+    def __post_init__(self) -> None:
+        if self.log_freq < 1:
+            raise ConfigError(f"metrics.log_freq must be >= 1, got {self.log_freq}")
+
+
+# ----------------------------------------------------------------- trainlib.validation
+@dataclass
+class ValidationConfig:
+    enable: bool = field(default=False, metadata={"help": "compute loss and perplexity on held-out data every "
+                                                          "interval steps and at the last step"})
+    interval: int = field(default=100, metadata={"help": "steps between validations (and always at the last step)"})
+    steps: int = field(default=10, metadata={"help": "global batches per validation (training.global_batch_size "
+                                                     "sequences each)"})
+    data: DataConfig = field(default_factory=DataConfig, metadata={
+        "help": "the validation data, keys as in [data]; unset path, hf_dataset and mixture = the shipped "
+                "corpus's held-out chapters (never trained on)"})
+
+    def __post_init__(self) -> None:
+        for key in ("interval", "steps"):
+            if getattr(self, key) < 1:
+                raise ConfigError(f"validation.{key} must be >= 1, got {getattr(self, key)}")
+
+
+# ----------------------------------------------------------------- trainlib.profiling
+@dataclass
+class ProfilingConfig:
+    enable_profiling: bool = field(default=False, metadata={"help": "trace a window of steps with torch.profiler"})
+    save_traces_folder: str = field(default="profile_traces", metadata={"help": "traces folder, in the run folder"})
+    profile_freq: int = field(default=100, metadata={"help": "a traced window ends every profile_freq steps"})
+    profile_warmup: int = field(default=3, metadata={"help": "steps profiled but not kept before each window"})
+    profile_active: int = field(default=1, metadata={"help": "steps recorded per window"})
+    profile_windows: int = field(default=0, metadata={"help": "windows to trace; 0 = every profile_freq steps"})
+    enable_memory_snapshot: bool = field(default=False, metadata={
+        "help": "CUDA only: record the allocator's history, dump it after memory_snapshot_step and on OOM"})
+    save_memory_snapshot_folder: str = field(default="memory_snapshot", metadata={
+        "help": "memory snapshots folder, in the run folder"})
+    memory_snapshot_step: int = field(default=2, metadata={"help": "the step after which the snapshot is dumped"})
+
+    def __post_init__(self) -> None:
+        for key, low in (("profile_freq", 1), ("profile_warmup", 0), ("profile_active", 1), ("profile_windows", 0),
+                         ("memory_snapshot_step", 1)):
+            if getattr(self, key) < low:
+                raise ConfigError(f"profiling.{key} must be >= {low}, got {getattr(self, key)}")
+        if self.profile_warmup + self.profile_active > self.profile_freq:
+            raise ConfigError(
+                f"profiling.profile_warmup ({self.profile_warmup}) + profile_active ({self.profile_active}) must "
+                f"fit in profile_freq ({self.profile_freq}) steps; raise profile_freq or shorten the window")
+
+
+# ----------------------------------------------------------------- trainlib.resilience
+@dataclass
+class WatchdogConfig:
+    enable: bool = field(default=True, metadata={"help": "detect a hung step; stacks of every rank go to <dump_folder>/hang/"})
+    step_factor: float = field(default=10.0, metadata={
+        "help": "a step is hung after step_factor x the median of the last 100 step times (and min_seconds)"})
+    min_seconds: float = field(default=30.0, metadata={
+        "help": "never call a step hung before this; must be below comm.train_timeout_seconds / 2"})
+
+    def __post_init__(self) -> None:
+        if not self.step_factor > 1:
+            raise ConfigError(f"watchdog.step_factor must be > 1 (a multiple of the median step time), got {self.step_factor}")
+        if not self.min_seconds > 0:
+            raise ConfigError(f"watchdog.min_seconds must be > 0, got {self.min_seconds}")
+
