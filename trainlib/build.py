@@ -139,9 +139,10 @@ def describe_choices(cfg, built: ModelParts, optimizer_impl: str) -> str:
     if built.runner is not None and built.runner.moe_experts:
         m = cfg.moe
         balance = [f"bias (rate {m.bias_update_rate:g})" if m.load_balance == "bias" else "no bias"]
-        balance += [f"{k} {getattr(m, k):g}" for k in ("seq_aux_loss_coef", "z_loss_coef") if getattr(m, k)]
+        balance += [f"{k} {getattr(m, k):g}" for k in ("seq_aux_loss_coef", "global_aux_loss_coef", "z_loss_coef")
+                    if getattr(m, k)]
         parts.append(f"MoE {len(built.runner.moe_experts)} layers, " + ", ".join(balance) + ", " +
-                     (f"capacity {m.capacity_factor:g} (drops depend on the micro-batch and the layout)"
-                      if m.capacity_factor else "dropless"))
+                     ("dropless" if m.dropless else
+                      f"capacity {m.capacity_factor:g} (drops depend on the micro-batch and the layout)"))
     return "chosen: " + " | ".join(parts)
 

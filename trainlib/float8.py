@@ -60,10 +60,14 @@ def linear_size(in_features: int, out_features: int) -> float:
     return 2 * in_features * out_features / (in_features + out_features)
 
 
-def kept_reason(module: nn.Module, fqn: str, cfg: Float8Config, output_module: str) -> str | None:
+def kept_reason(module: nn.Module, fqn: str, cfg: Float8Config, output_module: str,
+                direct: frozenset[str] = frozenset()) -> str | None:
     """Why the linear `module` named `fqn` stays in high precision, or None if
     it converts; `output_module` is the family's output projection (filtered
-    when filter_fqns is unset)."""
+    when filter_fqns is unset); `direct`: the linears whose owner computes with
+    their weights without calling them (`weights_used_directly`)."""
+    if fqn in direct:
+        return "weight used directly"
     if any(fnmatch.fnmatchcase(fqn, p) for p in filter_patterns(cfg, output_module)):
         return "filter_fqns"
     # float8 matmul kernels need both dims to be multiples of 16.
@@ -73,6 +77,15 @@ def kept_reason(module: nn.Module, fqn: str, cfg: Float8Config, output_module: s
     if linear_size(module.in_features, module.out_features) < bound:
         return f"size < min_size {bound}"
     return None
+
+
+def weights_used_directly(model: nn.Module) -> frozenset[str]:
+    """The nn.Linear children of modules that compute with their weights through a `param_view` (an MoE
+    block's router, kept in high precision by design, and its shared experts) rather than by calling them:
+    a Float8Linear there would hold the weight and never run, so they stay nn.Linear."""
+    return frozenset(f"{name}.{child_name}" if name else child_name
+                     for name, module in model.named_modules() if hasattr(module, "param_view")
+                     for child_name, child in module.named_children() if isinstance(child, nn.Linear))
 
 
 def filter_patterns(cfg: Float8Config, output_module: str) -> list[str]:
@@ -146,8 +159,10 @@ def convert_float8(model: nn.Module, cfg: Float8Config, *, fsdp: bool, output_mo
     shapes: Counter[str] = Counter()  # "in->out" of converted linears
     kept: Counter[str] = Counter()  # "in->out (reason)" of the others
 
+    direct = weights_used_directly(model)
+
     def convert(module: nn.Linear, fqn: str) -> bool:  # torchao asks about nn.Linear modules only
-        reason = kept_reason(module, fqn, cfg, output_module)
+        reason = kept_reason(module, fqn, cfg, output_module, direct)
         shape = f"{module.in_features}->{module.out_features}"
         if reason is None:
             converted.append(fqn)

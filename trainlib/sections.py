@@ -173,6 +173,12 @@ class Float8Config:
     filter_fqns: list[str] | None = field(default=None, metadata={
         "help": "fnmatch patterns of module names kept in high precision; none = the output projection; "
                 "[] = none kept"})
+    # torchao 0.18 has float8 grouped GEMMs for MoE experts (its prototype
+    # moe_training, Float8TrainingOpConfig: rowwise, CUDA sm90+, bf16); trainlib
+    # does not wire them yet (trainlib.config.validate refuses the key).
+    moe_experts: bool = field(default=False, metadata={
+        "help": "also run MoE blocks' routed experts in float8 (torchao's grouped GEMMs, CUDA only; not built "
+                "yet: refused)"})
     # Emulate float8 matmuls in high precision (casts still round to float8):
     # for testing on hardware without float8 matmuls.
     emulate: bool = field(default=False, metadata={

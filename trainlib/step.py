@@ -55,7 +55,7 @@ class StepRunner:
     def __post_init__(self) -> None:
         self._moe = moe_layers(self.parts)
         if self.moe_experts:
-            self.add_after_optimizer_step(self._update_expert_bias)
+            self.add_after_optimizer_step(self._moe_after_step)
 
     def local(self, micro_batches: list[dict]) -> list[dict]:
         """The micro-batches as this rank feeds them to the model: document ids, then its CP chunks."""
@@ -86,17 +86,17 @@ class StepRunner:
         return loss_sum, self._moe_aux()
 
     def _take_moe_stats(self) -> torch.Tensor | None:
-        """Every MoE layer's routing statistics since the last call, as one [n_layers, E + 4] tensor
+        """Every MoE layer's routing statistics since the last call, as one [n_layers, E + N_STATS] tensor
         (MoE.take_stats's rows; zero rows for layers not on this rank), summed over all ranks: the
         global batch's. Every rank calls it (one all-reduce over the world)."""
         if not self.moe_experts:  # a dense model; else every rank, MoE layers or not, joins the all-reduce
             return None
         n_layers = 1 + max(self.moe_experts)
-        width = max(self.moe_experts.values()) + 4
+        width = max(self.moe_experts.values()) + MoE.N_STATS
         stats = torch.zeros(n_layers, width, device=self.device)
         for i, m in self._moe.items():
             row = m.take_stats()
-            stats[i, :m.args.n_experts], stats[i, -4:] = row[:-4], row[-4:]
+            stats[i, :m.args.n_experts], stats[i, -MoE.N_STATS:] = row[:-MoE.N_STATS], row[-MoE.N_STATS:]
         if dist.is_initialized() and dist.get_world_size() > 1:
             # one all-reduce over every rank: pipeline stages hold disjoint layers (zero rows elsewhere),
             # data, context and tensor-parallel ranks route disjoint tokens (TP splits them, parallel.tp.moe_style)
@@ -113,10 +113,10 @@ class StepRunner:
         self._moe_counts = stats
         return {"moe_stats": stats, "moe_experts": self.moe_experts}
 
-    def _update_expert_bias(self) -> None:
+    def _moe_after_step(self) -> None:
         if self._moe_counts is not None:
             for i, m in self._moe.items():
-                m.update_bias(self._moe_counts[i, :m.args.n_experts])
+                m.after_step(self._moe_counts[i, :m.args.n_experts])
             self._moe_counts = None
 
     @torch.no_grad()
@@ -151,16 +151,20 @@ class StepRunner:
 
 def aux_fields(aux: dict) -> dict:
     """A step's auxiliary dict as metrics.jsonl fields (host values; call at log steps only). MoE:
-    `moe_aux_loss` and `moe_z_loss` (the terms added to the objective, summed over layers), and per MoE
-    layer (keyed by layer index) `moe_load_imbalance` (max tokens per expert / mean) and
-    `moe_dropped_tokens` (assignments over capacity)."""
+    `moe_aux_loss` (the sequence-wise balance loss), `moe_global_aux_loss` (the global-batch one) and
+    `moe_z_loss` (the terms added to the objective, summed over layers), and per MoE layer (keyed by layer
+    index) `moe_load_imbalance` (max tokens per expert / mean) and `moe_dropped_tokens` (assignments over
+    capacity)."""
     if "moe_stats" not in aux:
         return {}
     stats, experts = aux["moe_stats"].double().cpu(), aux["moe_experts"]
+    n_counts = stats.shape[1] - MoE.N_STATS
     imbalance, dropped = {}, {}
     for i, n in sorted(experts.items()):
         counts = stats[i, :n]
         imbalance[str(i)] = float(counts.max() / counts.mean()) if counts.sum() > 0 else 0.0
-        dropped[str(i)] = int(round(float(stats[i, -4])))
-    return {"moe_aux_loss": float(stats[:, -2].sum()), "moe_z_loss": float(stats[:, -1].sum()),
+        dropped[str(i)] = int(round(float(stats[i, n_counts])))
+    # the columns after the counts: dropped, assigned, seq aux, z-loss, global aux (MoE.take_stats)
+    seq_aux, z_loss, global_aux = (float(stats[:, n_counts + j].sum()) for j in (2, 3, 4))
+    return {"moe_aux_loss": seq_aux, "moe_z_loss": z_loss, "moe_global_aux_loss": global_aux,
             "moe_load_imbalance": imbalance, "moe_dropped_tokens": dropped}

@@ -15,9 +15,10 @@ from trainlib.parity import run_parity
 MOE = str(RECIPES / "debug_moe.toml")
 TOL = 1e-5  # relative, fp32 on CPU; measured <= 2e-7 (loss), <= 8e-7 (grad norm)
 STEPS = 8
+# the global-batch loss on: a resume that lost the previous step's expert load (`expert_load`) would not be bitwise
 BASE = ["--recipe", MOE, f"--training.steps={STEPS}", "--metrics.log_freq=1", "--metrics.console=false",
         "--training.seq_len=64", "--training.global_batch_size=8", "--checkpoint.enable=true",
-        "--checkpoint.interval=2"]
+        "--checkpoint.interval=2", "--moe.global_aux_loss_coef=0.01"]
 
 
 def _assert_parity(report):
@@ -28,11 +29,20 @@ def _assert_parity(report):
     assert report.baseline.losses[-1] < report.baseline.losses[0] - 1  # it learns
 
 
-def test_moe_parity_ep_tp_pp():
+def test_moe_parity_ep_tp_pp(tmp_path):
     # EP borrowing dp_shard's ranks, EP borrowing tp's (the MoE blocks route each tp rank's sequence shard),
-    # pipeline stages holding different MoE layers; the z-loss's gradients on in every layout.
-    _assert_parity(run_parity(MOE, ["dp_shard=2,ep=2", "tp=2,ep=2", "pp=2"], steps=STEPS,
-                              extra=["--moe.z_loss_coef=0.001"]))
+    # pipeline stages holding different MoE layers; the z-loss's and the global-batch loss's gradients on in
+    # every layout (the latter's fractions from the previous step's counts summed over all ranks: a rank's own
+    # counts would differ by layout).
+    layouts = ["dp_shard=2,ep=2", "tp=2,ep=2", "pp=2"]
+    _assert_parity(run_parity(MOE, layouts, steps=STEPS, out_dir=tmp_path,
+                              extra=["--moe.z_loss_coef=0.001", "--moe.global_aux_loss_coef=0.01"]))
+    runs = sorted(tmp_path.glob("*/metrics.jsonl"))
+    assert len(runs) == 1 + len(layouts)  # the baseline's and each layout's
+    for path in runs:
+        records = [json.loads(line) for line in path.read_text().splitlines()]
+        # off at step 1 (no previous batch), then about coef * 3 MoE layers (1 each at perfect balance)
+        assert records[0]["moe_global_aux_loss"] == 0 and all(r["moe_global_aux_loss"] > 0.02 for r in records[1:])
 
 
 @pytest.mark.slow

@@ -73,9 +73,12 @@ BAD_INPUT = [
     ("not UTF-8", b"[training]\nsteps = 3 # \xff\xfe\n", [], "is not UTF-8 text"),
     ("MoE key on a dense model", None, ["--moe.z_loss_coef=0.01"], "moe.z_loss_coef set, but llama3 debug has no MoE"),
     ("MoE balance method", None, ["--moe.load_balance=aux"], "'aux' is not one of 'bias', 'none'"),
-    ("negative capacity", None, MOE + ["--moe.capacity_factor=-1"], "moe.capacity_factor must be >= 0"),
-    ("compile with MoE blocks", None, MOE + ["--compile.enable=true"], "compile.enable = true with MoE blocks"),
-    ("float8 with MoE blocks", None, MOE + ["--float8.enable=true"], "float8.enable = true with MoE blocks"),
+    ("negative capacity", None, MOE + ["--moe.capacity_factor=-1"], "moe.capacity_factor must be > 0"),
+    ("zero capacity", "[moe]\ncapacity_factor = 0\n", MOE, 'for no limit set moe.capacity_factor = "dropless"'),
+    ("capacity word", None, MOE + ["--moe.capacity_factor=none"], "moe.capacity_factor: expected float | Literal"),
+    ("negative global aux", None, MOE + ["--moe.global_aux_loss_coef=-1"], "moe.global_aux_loss_coef must be >= 0"),
+    ("float8 grouped experts on CPU", None, MOE + ["--float8.enable=true", "--float8.moe_experts=true"],
+     "float8.moe_experts = true needs CUDA"),
 ]
 
 

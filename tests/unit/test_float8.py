@@ -5,6 +5,7 @@ import sys
 
 import pytest
 import torch
+from torch import nn
 
 from tests.gpu.test_float8_ac_compile import grads
 from tests.helpers import needs_cxx_compiler
@@ -273,3 +274,37 @@ def test_post_optimizer_step_touches_nothing_unless_tensorwise_weights_gather_in
     monkeypatch.undo()
     with pytest.raises(AssertionError, match="walked"):  # the setup that does precompute walks it
         float8_lib.float8_post_optimizer_step([Untouchable()], Float8Config(enable=True, recipe="tensorwise"))
+
+
+def test_moe_model_converts_its_dense_linears_and_keeps_the_router_in_high_precision():
+    """An MoE model under float8: attention and the dense first block's MLP become Float8Linear; the router's
+    gate (fp32 routing by design) and the shared experts (their block computes with their weights through
+    param_view, so a Float8Linear there would never run) stay nn.Linear, and the routed experts stay 3-D
+    high-precision weights. One step on the converted model trains."""
+    from torchao.float8.float8_linear import Float8Linear
+
+    from tests.helpers import build_on_one_rank
+    from trainlib.config import load_job_config
+    from trainlib.models.moe import GroupedExperts, MoE, MoEArgs
+
+    cfg = load_job_config(None, ["--model.name=qwen3_moe", "--model.flavor=debug_moe", "--float8.enable=true",
+                                 "--float8.emulate=true", "--float8.min_size=0", "--training.seq_len=32"])
+    built = build_on_one_rank(cfg)
+    (model,) = built.parts
+    kinds = {n: type(m) for n, m in model.named_modules()}
+    assert kinds["layers.1.attention.wq"] is Float8Linear and kinds["layers.0.feed_forward.w1"] is Float8Linear
+    assert kinds["layers.1.moe.router.gate"] is nn.Linear
+    experts = model.layers["1"].moe.experts
+    assert type(experts) is GroupedExperts and type(experts.w1.data) is torch.Tensor  # no float8 subclass
+    from trainlib.parallel import init_model_weights
+
+    init_model_weights(model, 0, "cpu")
+    tokens = torch.randint(0, 256, (2, 33), generator=torch.Generator().manual_seed(0))
+    loss, _ = built.runner.forward_backward([{"input": tokens[:, :-1], "labels": tokens[:, 1:]}], torch.tensor(64.0))
+    assert torch.isfinite(loss) and model.layers["1"].moe.router.gate.weight.grad.abs().sum() > 0
+    # shared experts (debug_moe has none): nn.Linear children of a module computing through param_view
+    holder = nn.Module()
+    holder.moe = MoE(64, MoEArgs(n_experts=4, top_k=2, expert_dim=32, n_shared_experts=1))
+    holder.mlp = nn.Linear(64, 64)
+    convert_float8(holder, Float8Config(enable=True, emulate=True, min_size=0), fsdp=False, output_module="output")
+    assert {n for n, m in holder.named_modules() if isinstance(m, Float8Linear)} == {"mlp"}

@@ -148,6 +148,69 @@ def test_aux_losses_reach_the_router_as_if_added_to_the_loss():
     torch.testing.assert_close(stats[10] + stats[11], want.detach().float())
 
 
+LOAD = torch.tensor([30.0, 2, 5, 0, 9, 1, 12, 1])  # a previous global batch's assignments per expert
+
+
+def test_global_aux_loss_reaches_the_router_and_below_as_its_float64_autograd():
+    """E * sum_i f_i P_i, f from the previous global batch (`expert_load`), P over this forward's tokens, each
+    weighted by the scale: the gradient it adds to the gate and to the block's input (the layers below) equals
+    a float64 autograd of it written out."""
+    cfg = MoEConfig(global_aux_loss_coef=0.5, load_balance="none")
+    x = _x()
+    got, plain = _moe(cfg=cfg), _moe(cfg=cfg)
+    got.expert_load.copy_(LOAD)
+    xg, xp = x.clone().requires_grad_(), x.clone().requires_grad_()
+    with aux_loss_scale(1 / 30):
+        got(xg).sum().backward()
+    plain(xp).sum().backward()  # outside the scale: no auxiliary loss
+    aux_w = got.router.gate.weight.grad - plain.router.gate.weight.grad
+    aux_x = xg.grad - xp.grad
+    assert aux_w.abs().max() > 1e-3 and aux_x.abs().max() > 1e-4
+    weight = got.router.gate.weight.detach().double().requires_grad_()
+    x64 = x.double().requires_grad_()
+    probs = (x64.reshape(30, DIM) @ weight.T).softmax(-1)
+    f = LOAD.double() / LOAD.sum()  # the share of each expert
+    want = 0.5 * 8 * (f * probs.mean(0)).sum()  # 30 tokens at 1/30 each: the mean over the batch
+    want.backward()
+    torch.testing.assert_close(aux_w, weight.grad.float(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(aux_x, x64.grad.float(), rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(got.take_stats()[12], want.detach().float())  # the term as added, for the metrics
+
+
+def test_global_aux_loss_does_not_depend_on_the_micro_batches():
+    """The fractions are the whole previous batch's, so one forward of 3 sequences and 2 micro-batches of them
+    (1 + 2) give the same gradient: a fraction counted per micro-batch (or running over them) would not."""
+    cfg = MoEConfig(global_aux_loss_coef=0.5)
+    x = _x()
+    whole, split = _moe(cfg=cfg), _moe(cfg=cfg)
+    for m in (whole, split):
+        m.expert_load.copy_(LOAD)
+    with aux_loss_scale(1 / 30):
+        whole(x).sum().backward()
+        for part in (x[:1], x[1:]):
+            split(part).sum().backward()
+    torch.testing.assert_close(split.router.gate.weight.grad, whole.router.gate.weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(split.take_stats(), whole.take_stats())
+
+
+def test_global_aux_loss_starts_after_the_first_step_from_its_counts():
+    """Before any optimizer step there is no previous batch: no loss (the same gradient as without it). After
+    one, `after_step` keeps the global counts the step runner hands it, and the loss is on."""
+    x = _x()
+    on, off = _moe(cfg=MoEConfig(global_aux_loss_coef=0.5)), _moe()
+    with aux_loss_scale(1 / 30):
+        on(x).sum().backward()
+        off(x).sum().backward()
+    assert torch.equal(on.router.gate.weight.grad, off.router.gate.weight.grad)
+    counts = on.take_stats()[:8]
+    assert counts.sum() == 60 and on.take_stats()[12] == 0
+    on.after_step(counts)
+    assert torch.equal(on.expert_load, counts) and "expert_load" in on.state_dict()  # a checkpoint holds it
+    with aux_loss_scale(1 / 30):
+        on(x)
+    assert on.take_stats()[12] > 0
+
+
 def test_bias_update_moves_towards_underloaded_experts_and_stays_centred():
     m = _moe()
     counts = torch.tensor([10.0, 0, 5, 5, 5, 5, 5, 5])  # mean 5
@@ -179,12 +242,12 @@ def test_aux_fields_and_layer_lookup():
     model.layers = torch.nn.ModuleDict({"0": torch.nn.Linear(2, 2), "3": torch.nn.Module()})
     model.layers["3"].moe = _moe()
     assert list(moe_layers([model])) == [3]
-    stats = torch.zeros(4, 12)
+    stats = torch.zeros(4, 13)
     stats[3, :8] = torch.tensor([4.0, 0, 0, 0, 0, 0, 0, 4])  # mean 1, max 4
-    stats[3, 8:] = torch.tensor([3, 8, 0.25, 0.5])
+    stats[3, 8:] = torch.tensor([3, 8, 0.25, 0.5, 0.125])
     fields = aux_fields({"moe_stats": stats, "moe_experts": {3: 8}})
-    assert fields == {"moe_aux_loss": 0.25, "moe_z_loss": 0.5, "moe_load_imbalance": {"3": 4.0},
-                      "moe_dropped_tokens": {"3": 3}}
+    assert fields == {"moe_aux_loss": 0.25, "moe_z_loss": 0.5, "moe_global_aux_loss": 0.125,
+                      "moe_load_imbalance": {"3": 4.0}, "moe_dropped_tokens": {"3": 3}}
 
 
 def test_bad_moe_settings_are_config_errors():
@@ -192,8 +255,12 @@ def test_bad_moe_settings_are_config_errors():
         MoEArgs(n_experts=4, top_k=5, expert_dim=8).validate()
     with pytest.raises(ConfigError, match="n_groups"):
         MoEArgs(n_experts=6, top_k=2, expert_dim=8, n_groups=4).validate()
-    with pytest.raises(ConfigError, match="moe.capacity_factor"):
-        MoEConfig(capacity_factor=-1)
+    for bad in (-1, 0):  # 0 once meant dropless; now it would drop everything
+        with pytest.raises(ConfigError, match='moe.capacity_factor must be > 0.*moe.capacity_factor = "dropless"'):
+            MoEConfig(capacity_factor=bad)
+    assert MoEConfig().dropless and not MoEConfig(capacity_factor=1.25).dropless
+    with pytest.raises(ConfigError, match="moe.global_aux_loss_coef"):
+        MoEConfig(global_aux_loss_coef=-0.1)
     with pytest.raises(ConfigError, match="load_balance"):
         MoEConfig(load_balance="aux")
 
@@ -207,3 +274,34 @@ def test_pipeline_stage_metadata_inference_is_where_trainlib_expects_it():
 
     assert "_forward_metadata_inference" in vars(PipelineStage)
     assert "_forward_metadata_inference" in vars(_Stage)
+
+
+def test_compiled_block_computes_what_eager_does_with_its_one_graph_break():
+    """torch.compile of an MoE block, inside activation checkpointing as trainlib.parallel.compile puts it: the
+    router and the auxiliary losses before the routed experts and the shared experts after them compile (two
+    graphs); the routed experts run eagerly between them (`MoE._routed`, the one graph break). Output, every
+    gradient (the auxiliary losses' included: a compiled graph dropped them when they joined there) and the
+    routing statistics (counted once, not again by the recompute) equal eager's. aot_eager: dynamo and
+    autograd's tracing without inductor's C++ build."""
+    import torch._dynamo.utils as dynamo_utils
+
+    cfg = MoEConfig(z_loss_coef=0.01, global_aux_loss_coef=0.1, seq_aux_loss_coef=0.1, capacity_factor=0.5)
+    x = _x()
+    runs = []
+    for compiled in (False, True):
+        torch._dynamo.reset()
+        dynamo_utils.counters.clear()
+        m = _moe(cfg=cfg, n_shared_experts=1)
+        m.expert_load.copy_(LOAD)
+        block = torch.compile(m, backend="aot_eager") if compiled else m
+        xi = x.clone().requires_grad_()
+        with aux_loss_scale(torch.tensor(1 / 30)):  # backward too, as the step runner: the recompute sees it
+            y = checkpoint(block, xi, use_reentrant=False) if compiled else block(xi)
+            (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum().backward()
+        runs.append([y.detach(), xi.grad, m.take_stats()] + [p.grad for p in m.parameters()])
+    assert dynamo_utils.counters["stats"]["unique_graphs"] == 2, dict(dynamo_utils.counters["stats"])
+    breaks = dynamo_utils.counters["graph_break"]
+    assert sum(breaks.values()) == 1 and "MoE dispatch" in str(list(breaks)), dict(breaks)
+    assert runs[0][2][8] > 0 and runs[0][2][10:].abs().min() > 0  # drops and all three auxiliary terms
+    for eager, compiled in zip(*runs, strict=True):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)

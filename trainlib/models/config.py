@@ -51,18 +51,29 @@ class MoEConfig:
         "help": "how far each expert's bias moves per optimizer step (DeepSeek-V3: 1e-3)"})
     seq_aux_loss_coef: float = field(default=0.0, metadata={
         "help": "weight of the sequence-wise load-balance loss (0: off)"})
+    global_aux_loss_coef: float = field(default=0.0, metadata={
+        "help": "weight of the global-batch load-balance loss, E * sum_i f_i P_i with f_i the previous global "
+                "batch's share of expert i (0: off)"})
     z_loss_coef: float = field(default=0.0, metadata={
         "help": "weight of the router z-loss, mean logsumexp(logits)^2 over tokens (0: off)"})
-    capacity_factor: float = field(default=0.0, metadata={
-        "help": "0: dropless; c > 0: an expert takes at most ceil(c * tokens * top_k / n_experts) assignments "
-                "per forward, its highest-weighted; the rest are dropped and counted"})
+    capacity_factor: float | Literal["dropless"] = field(default="dropless", metadata={
+        "help": "'dropless': no limit; c > 0: an expert takes at most ceil(c * tokens * top_k / n_experts) "
+                "assignments per forward, its highest-weighted; the rest are dropped and counted"})
     grouped_mm: bool = field(default=True, metadata={
         "help": "run the experts as one grouped matmul (false: a loop over experts; the same values, slower)"})
 
     def __post_init__(self) -> None:
         if self.load_balance not in ("bias", "none"):
             raise ConfigError(f"moe.load_balance must be 'bias' or 'none', got {self.load_balance!r}")
-        for key in ("bias_update_rate", "seq_aux_loss_coef", "z_loss_coef", "capacity_factor"):
+        for key in ("bias_update_rate", "seq_aux_loss_coef", "global_aux_loss_coef", "z_loss_coef"):
             if getattr(self, key) < 0:
                 raise ConfigError(f"moe.{key} must be >= 0, got {getattr(self, key)}")
+        if not self.dropless and not self.capacity_factor > 0:
+            # 0 once meant dropless; a capacity of 0 (or less) would drop every assignment
+            raise ConfigError(f"moe.capacity_factor must be > 0 (the share of the mean load one expert may take), "
+                              f"got {self.capacity_factor:g}; for no limit set moe.capacity_factor = \"dropless\" "
+                              f"(the default)")
 
+    @property
+    def dropless(self) -> bool:
+        return self.capacity_factor == "dropless"

@@ -20,15 +20,26 @@ Load balance (each optional, set by the `[moe]` recipe section, `MoEConfig`):
 - a sequence-wise auxiliary loss: per sequence, E / (s * k) * sum_i c_i * P_i
   (c_i tokens routed to expert i, P_i the mean normalised score of expert i
   over the sequence's s tokens), times `seq_aux_loss_coef`;
+- a global-batch auxiliary loss: E * sum_i f_i * P_i over the whole global
+  batch, f_i the share of expert i in the global batch's assignments and P_i
+  the mean normalised score of expert i over its tokens, times
+  `global_aux_loss_coef`. f_i is the *previous* optimizer step's (the
+  persistent buffer `expert_load`, set after each step from the same
+  all-reduced counts as the bias update; zero before the first step, so the
+  loss is off then): the current step's counts are known only after its last
+  micro-batch's forward, long after the first one's backward. Taken from one
+  whole global batch, f does not depend on the layout, nor on how the batch is
+  split into micro-batches (a running count over micro-batches would);
 - a router z-loss: the mean over tokens of logsumexp(logits)^2, times
   `z_loss_coef`.
-The two losses reach the gradients without passing through the training loss
+The losses reach the gradients without passing through the training loss
 (`_AddAuxiliaryLoss`): each token's share is weighted like its language-model
 loss, by 1 / (the global batch's target tokens), which the step runner sets
 with `aux_loss_scale` around each step. Their values are kept for the
 metrics (`take_stats`).
 
-Capacity: dropless by default. With `capacity_factor` c > 0 an expert takes
+Capacity: dropless by default (`capacity_factor = "dropless"`). With a
+`capacity_factor` c > 0 an expert takes
 at most ceil(c * tokens * top_k / n_experts) of a micro-batch's assignments,
 its highest-weighted ones; the rest are dropped (the token keeps its other
 experts and the shared ones) and counted. The count depends on how many
@@ -224,10 +235,14 @@ class _SharedExperts(nn.Module):
 class MoE(nn.Module):
     """Router, routed experts and optional shared experts; the feed-forward of an MoE block.
 
-    Buffers: `expert_bias` [E] fp32, persistent (checkpoints keep it); `tokens_per_expert` [E] and `stats`
-    [4] (dropped and assigned assignments, the seq-aux and z-loss terms as added), non-persistent: what this
-    rank routed since the step runner last took them (`take_stats`).
+    Buffers: `expert_bias` [E] fp32 and `expert_load` [E] fp32 (the last optimizer step's global-batch
+    assignments per expert, for the global-batch loss), persistent (checkpoints keep them);
+    `tokens_per_expert` [E] and `stats` [N_STATS] (dropped and assigned assignments, the seq-aux, z-loss and
+    global-aux terms as added), non-persistent: what this rank routed since the step runner last took them
+    (`take_stats`).
     """
+
+    N_STATS = 5  # the entries of `stats`, in take_stats's order after the E counts
 
     def __init__(self, dim: int, args: MoEArgs):
         super().__init__()
@@ -239,29 +254,54 @@ class MoE(nn.Module):
                                if args.n_shared_experts else None)
         self.cfg = MoEConfig()
         self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=True)
+        self.register_buffer("expert_load", torch.zeros(args.n_experts), persistent=True)
         self.register_buffer("tokens_per_expert", torch.zeros(args.n_experts), persistent=False)
-        self.register_buffer("stats", torch.zeros(4), persistent=False)  # dropped, assigned, seq aux, z-loss
+        # dropped, assigned, seq aux, z-loss, global aux
+        self.register_buffer("stats", torch.zeros(self.N_STATS), persistent=False)
 
     def configure(self, cfg: MoEConfig) -> None:
         self.cfg = cfg
         self.experts.grouped_mm = cfg.grouped_mm
 
     def init_buffers(self, device=None) -> None:
-        for name in ("expert_bias", "tokens_per_expert", "stats"):
+        for name in ("expert_bias", "expert_load", "tokens_per_expert", "stats"):
             setattr(self, name, torch.zeros_like(getattr(self, name), device=device))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, s, dim = x.shape
-        a, cfg = self.args, self.cfg
+        cfg = self.cfg
         xf = x.reshape(b * s, dim)
         bias = self.expert_bias if cfg.load_balance == "bias" else None
         top_idx, weights, scores, logits = self.router(xf, bias)
+        aux = terms = None
+        scale = _SCALE[-1]
+        if scale is not None and torch.is_grad_enabled() and (
+                cfg.seq_aux_loss_coef or cfg.global_aux_loss_coef or cfg.z_loss_coef):
+            terms = self._aux_losses(top_idx.view(b, s, -1), scores.view(b, s, -1), logits, scale)
+            aux = terms.sum()
+        y = self._routed(xf, top_idx, weights, aux, None if terms is None else terms.detach())
+        if self.shared_experts is not None:
+            y = y + self.shared_experts(xf)
+        return y.view(b, s, dim)
 
+    # torch.compile runs this part eagerly (the one graph break of a compiled MoE block): its shapes depend on
+    # the routing (counts per expert, what capacity keeps), torch._grouped_mm has no fp32 kernel for tracing,
+    # expert parallel reads the counts on the host to size its all-to-all, and counting asks autograd whether
+    # this is activation checkpointing's recompute; and the auxiliary loss joins here, eagerly, because a compiled
+    # graph drops the gradient that _AddAuxiliaryLoss gives an input its forward does not use (measured, torch
+    # 2.13 CPU, aot_eager). The router and the losses before it and the shared experts after it compile.
+    @torch.compiler.disable(reason="MoE dispatch: routing-dependent shapes (trainlib.models.moe.MoE._routed)")
+    def _routed(self, xf: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor, aux: torch.Tensor | None,
+                terms: torch.Tensor | None) -> torch.Tensor:
+        """The routed experts' weighted outputs per token [T, dim] for tokens `xf` [T, dim] routed to `top_idx`
+        with `weights` [T, k], carrying the auxiliary loss `aux` to backward; counts what was routed and
+        dropped, and the auxiliary `terms` ([3], detached) as added."""
+        a, cfg = self.args, self.cfg
         flat = top_idx.reshape(-1)  # assignment j = token j // k, its (j % k)-th choice
         order = flat.argsort(stable=True)  # by expert, in token order within an expert
         counts = torch.bincount(flat, minlength=a.n_experts)
         assigned = counts
-        if cfg.capacity_factor > 0:
+        if not cfg.dropless:
             cap = math.ceil(cfg.capacity_factor * flat.numel() / a.n_experts)
             # within each expert keep the highest-weighted assignments
             expert_of, w_sorted = flat[order], weights.reshape(-1)[order].detach()
@@ -269,58 +309,59 @@ class MoE(nn.Module):
             by_expert = by_weight[torch.argsort(expert_of[by_weight], stable=True)]
             starts = counts.cumsum(0) - counts
             rank = torch.empty_like(order)
-            rank[by_expert] = torch.arange(order.numel(), device=x.device) - starts[expert_of[by_expert]]
+            rank[by_expert] = torch.arange(order.numel(), device=xf.device) - starts[expert_of[by_expert]]
             order = order[rank < cap]  # still grouped by expert
             counts = counts.clamp(max=cap)
         tokens = order // a.top_k
         out = self.experts(xf[tokens], counts)
         out = out.float() * weights.reshape(-1)[order, None]
-        y = torch.zeros(b * s, dim, dtype=torch.float32, device=x.device).index_add_(0, tokens, out).to(x.dtype)
-        if self.shared_experts is not None:
-            y = y + self.shared_experts(xf)
-
+        y = torch.zeros(xf.shape, dtype=torch.float32, device=xf.device).index_add_(0, tokens, out).to(xf.dtype)
         if _counted():
             with torch.no_grad():
                 self.tokens_per_expert += assigned.to(self.tokens_per_expert.dtype)
                 self.stats[0] += assigned.sum() - counts.sum()
                 self.stats[1] += assigned.sum()
-        scale = _SCALE[-1]
-        if scale is not None and torch.is_grad_enabled() and (cfg.seq_aux_loss_coef or cfg.z_loss_coef):
-            aux = self._aux_losses(top_idx.view(b, s, -1), scores.view(b, s, -1), logits, scale)
-            y = _AddAuxiliaryLoss.apply(y, aux)
-        return y.view(b, s, dim)
+                if terms is not None:
+                    self.stats[2:] += terms
+        return y if aux is None else _AddAuxiliaryLoss.apply(y, aux)
 
     def _aux_losses(self, top_idx, scores, logits, scale) -> torch.Tensor:
-        """The weighted seq-aux and z-loss terms of this forward's tokens (a scalar for backward); their
-        values are added to `stats` for the metrics."""
+        """The weighted seq-aux, z-loss and global-aux terms of this forward's tokens, [3] (their sum is what
+        backward adds to the loss; the values go to `stats` for the metrics)."""
         a, cfg = self.args, self.cfg
         b, s, _ = top_idx.shape
-        terms = []
+        zero = scores.new_zeros(())
+        seq = glob = z = zero
+        probs = scores / scores.sum(-1, keepdim=True)  # each token's normalised scores
         if cfg.seq_aux_loss_coef:
             hits = torch.zeros(b, a.n_experts, device=scores.device).scatter_add_(
                 1, top_idx.reshape(b, -1), torch.ones(b, s * a.top_k, device=scores.device))
             frac = hits * a.n_experts / (s * a.top_k)  # c_i * E / (s k), no gradient
-            probs = (scores / scores.sum(-1, keepdim=True)).mean(1)  # P_i per sequence
             # each sequence weighs its s tokens' share of the global batch, as its LM loss does
-            terms.append(cfg.seq_aux_loss_coef * (frac * probs).sum() * s * scale)
-        else:
-            terms.append(scores.new_zeros(()))
+            seq = cfg.seq_aux_loss_coef * (frac * probs.mean(1)).sum() * s * scale
         if cfg.z_loss_coef:
-            terms.append(cfg.z_loss_coef * torch.logsumexp(logits, -1).square().sum() * scale)
-        else:
-            terms.append(scores.new_zeros(()))
-        if _counted():
-            with torch.no_grad():
-                self.stats[2:] += torch.stack(terms).detach()
-        return terms[0] + terms[1]
+            z = cfg.z_loss_coef * torch.logsumexp(logits, -1).square().sum() * scale
+        if cfg.global_aux_loss_coef:
+            # f_i * E from the previous global batch (all zero before the first step: no loss, and no branch on it);
+            # each token's sum_i f_i E p_i weighs like its LM loss, so the global batch's total is E sum_i f_i P_i
+            frac = self.expert_load * a.n_experts / self.expert_load.sum().clamp(min=1)
+            glob = cfg.global_aux_loss_coef * (probs * frac).sum() * scale
+        return torch.stack([seq, z, glob])
 
     def take_stats(self) -> torch.Tensor:
-        """[tokens per expert (E), dropped, assigned, seq-aux term, z-loss term] routed by this rank since
-        the last call, and zero them."""
+        """[tokens per expert (E), dropped, assigned, seq-aux term, z-loss term, global-aux term] routed by
+        this rank since the last call, and zero them."""
         out = torch.cat([self.tokens_per_expert, self.stats])
         self.tokens_per_expert.zero_()
         self.stats.zero_()
         return out
+
+    @torch.no_grad()
+    def after_step(self, tokens_per_expert: torch.Tensor) -> None:
+        """After an optimizer step, from the global batch's counts of this layer: the bias update, and the
+        load the next step's global-batch loss balances against."""
+        self.update_bias(tokens_per_expert)
+        self.expert_load.copy_(tokens_per_expert)
 
     @torch.no_grad()
     def update_bias(self, tokens_per_expert: torch.Tensor) -> None:

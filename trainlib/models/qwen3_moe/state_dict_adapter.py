@@ -46,7 +46,7 @@ _FROM_HF_LAYER = {theirs: ours for ours, theirs in _LAYER_NAMES.items()}
 _EXPERT_NAMES = {"moe.experts.w1": "gate_proj", "moe.experts.w3": "up_proj", "moe.experts.w2": "down_proj"}
 _FROM_HF_EXPERT = {theirs: ours for ours, theirs in _EXPERT_NAMES.items()}
 _HF_EXPERT = re.compile(r"model\.layers\.(\d+)\.mlp\.experts\.(\d+)\.(\w+)\.weight")
-_NO_HF = ("moe.expert_bias",)  # trainlib-only state (the load-balance bias buffer)
+_NO_HF = ("moe.expert_bias", "moe.expert_load")  # trainlib-only state (the load-balance buffers)
 _FROM_HF_TOP = {theirs: ours for ours, theirs in TOP_NAMES.items()}
 
 
