@@ -91,10 +91,52 @@ def _model_matches_single_device(rank, world, method, ulysses):
                                        msg=lambda m, name=name, w=what: f"{w} {name}: {m}")
 
 
+def _bytes_are_planned(rank, world):
+    """The key reaches the step (parity cannot tell the methods apart): a real step under cp_method =
+    ulysses runs per block two all-to-alls forward and two backward (again where AC reruns the block) and
+    no K/V all-gather; hybrid adds the all-gather over cp_outer; the bytes sent are the planner's lines."""
+    from types import SimpleNamespace
+
+    from tests.helpers import BytesSent, build_debug
+    from trainlib.config import load_job_config
+    from trainlib.models.registry import get_model_spec
+    from trainlib.parallel import ParallelDims
+    from trainlib.parallel.cp import local_micro_batches
+    from trainlib.plan.comm import cp_bytes, ulysses_bytes
+
+    tokens = torch.randint(0, 512, (1, 65), generator=torch.Generator().manual_seed(0))
+    # hybrid's two groups have 2 ranks each, as BytesSent's single n needs
+    for layout, n, u in ((["--parallelism.cp=4", "--parallelism.cp_method=ulysses"], 4, 4),
+                         (["--parallelism.cp=4", "--parallelism.cp_method=hybrid", "--parallelism.cp_ulysses=2"], 2, 2)):
+        dims = ParallelDims.from_config(load_job_config(None, layout).parallelism, world)
+        dims.build_mesh("cpu")
+        for mode, recomputed in (("none", 0), ("full", 1)):
+            cfg, built = build_debug(dims, [*layout, f"--activation_checkpoint.mode={mode}"])
+            (model,) = built.parts
+            (mb,) = local_micro_batches([{"input": tokens[:, :-1], "labels": tokens[:, 1:]}], dims.mesh("cp"),
+                                        load_balance=True, document_mask=False, device=torch.device("cpu"),
+                                        ulysses=u)
+            with BytesSent(n, keep=lambda t: t.dim() > 1) as sent:  # FSDP's flat buffers are 1-D
+                built.loss_fn(model(mb["input"]), mb["labels"]).backward()
+            blocks = built.model_args.n_layers
+            expected = {"all_to_all": (4 + 2 * recomputed) * blocks}
+            if u < 4:
+                expected |= {"all_gather": (1 + recomputed) * blocks, "reduce_scatter": blocks}
+            assert sent.counts == expected, (layout, mode, sent.counts)
+            block = get_model_spec(cfg.model.name).block_shapes(built.model_args)[0]
+            shape = SimpleNamespace(block=block, tp=1, cp=4, cp_ulysses=u, elem=4, mb_tokens=mb["input"].numel())
+            ac = cfg.activation_checkpoint
+            assert sent.bytes_by_kind["all_to_all"] == ulysses_bytes(shape, ac, blocks), (layout, mode)
+            if u < 4:
+                kv = sent.bytes_by_kind["all_gather"] + sent.bytes_by_kind["reduce_scatter"]
+                assert kv == cp_bytes(shape, ac, blocks), (layout, mode)
+
+
 def _checks(rank, world, cases_by_u):
     _attention_matches_reference(rank, world, cases_by_u)
     _model_matches_single_device(rank, world, "ulysses", world)
     _model_matches_single_device(rank, world, "hybrid", 2)
+    _bytes_are_planned(rank, world)
 
 
 def test_ulysses_and_hybrid_match_plain_attention():
