@@ -595,16 +595,18 @@ def test_suggest_ranks_fitting_layouts_by_step_time():
     assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
     assert all(r["tp"] * r["pp"] * r["cp"] * r["dp_replicate"] * r["dp_shard"] == 8 for r in rows)
     assert {r["tp"] for r in rows} == {1, 2}  # tp divides the 2 kv heads
-    # A batch of 4 rejects 9 of the 42 layouts that fit 8 GPUs (8 data-parallel ranks cannot split it): none
-    # is listed, and each row's overrides plan that very row (pipelines with 1F1B).
+    # A batch of 4 rejects 9 of the 42 all-gather layouts that fit 8 GPUs (8 data-parallel ranks cannot split
+    # it): none is listed, and each row's overrides plan that very row (pipelines with 1F1B; its CP method).
     batch = ["training.global_batch_size=4"]
-    rows = suggest(DEBUG, 8, "h100", batch, top=50)
-    assert len(rows) == 33 and all(r["dp_replicate"] * r["dp_shard"] <= 4 for r in rows)
+    rows = suggest(DEBUG, 8, "h100", batch, top=200)
+    assert len([r for r in rows if r["cp_method"] == "allgather"]) == 33
+    assert all(r["dp_replicate"] * r["dp_shard"] <= 4 for r in rows)
     for r in rows:
         assert ("parallelism.pp_schedule=1F1B" in r["set"]) == (r["pp"] > 1), r
         p = make_plan(DEBUG, 8, "h100", batch + r["set"])
-        assert (p.degrees["tp"], p.degrees["pp"], p.degrees["cp"], p.degrees["dp_shard"], p.step_seconds) == (
-            r["tp"], r["pp"], r["cp"], r["dp_shard"], r["step_s"]), r
+        assert (p.degrees["tp"], p.degrees["pp"], p.degrees["cp"], p.degrees["dp_shard"], p.step_seconds,
+                p.cp_method if r["cp"] > 1 else "allgather") == (
+            r["tp"], r["pp"], r["cp"], r["dp_shard"], r["step_s"], r["cp_method"]), r
 
 
 def test_every_shipped_recipe_plans_and_fits_its_target_cluster():
