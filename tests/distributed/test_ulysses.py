@@ -106,8 +106,8 @@ def _bytes_are_planned(rank, world):
 
     tokens = torch.randint(0, 512, (1, 65), generator=torch.Generator().manual_seed(0))
     # hybrid's two groups have 2 ranks each, as BytesSent's single n needs
-    for layout, n, u in ((["--parallelism.cp=4", "--parallelism.cp_method=ulysses"], 4, 4),
-                         (["--parallelism.cp=4", "--parallelism.cp_method=hybrid", "--parallelism.cp_ulysses=2"], 2, 2)):
+    hybrid = ["--parallelism.cp=4", "--parallelism.cp_method=hybrid", "--parallelism.cp_ulysses=2"]
+    for layout, n, u in ((["--parallelism.cp=4", "--parallelism.cp_method=ulysses"], 4, 4), (hybrid, 2, 2)):
         dims = ParallelDims.from_config(load_job_config(None, layout).parallelism, world)
         dims.build_mesh("cpu")
         for mode, recomputed in (("none", 0), ("full", 1)):

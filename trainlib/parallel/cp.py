@@ -35,6 +35,13 @@ whole window stay whole (`shard_batch` does not cut them), and the model's
 positions (in layout order) over all S keys; each layer then runs the model's
 own masked kernel on the local queries and the gathered K/V. RoPE positions
 are the window positions 0..S-1, permuted by the layout, with either mask.
+
+That is `parallelism.cp_method = "allgather"`. "ulysses" swaps the gather for
+an all-to-all from sequence to heads and back (trainlib.parallel.ulysses), and
+"hybrid" runs that all-to-all over u adjacent cp ranks and the gather above
+across the cp/u groups; `shard_sequence(..., ulysses=u)` nests the layouts so
+that the all-to-all reassembles each all-gather rank's part
+(docs/context_parallel.md).
 """
 
 from __future__ import annotations

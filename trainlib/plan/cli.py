@@ -77,10 +77,12 @@ def _cp_method(row: dict) -> str:
 
 def format_suggestions(rows: list[dict], recipe: str | None, world_size: int, gpu: str) -> str:
     lines = [f"layouts of {recipe} on {world_size} x {GPUS[gpu].name} that fit, fastest first:",
-             f"  {'tp':>3}{'pp':>4}{'cp':>4} {'cp_method':<10}{'dp_rep':>7}{'dp_shard':>9}  {'ac':<13}{'peak GiB':>9}{'step s':>9}"
+             f"  {'tp':>3}{'pp':>4}{'cp':>4} {'cp_method':<10}{'dp_rep':>7}{'dp_shard':>9}  {'ac':<13}"
+             f"{'peak GiB':>9}{'step s':>9}"
              f"{'MFU':>7}"]
     for r in rows:
-        lines.append(f"  {r['tp']:>3}{r['pp']:>4}{r['cp']:>4} {_cp_method(r):<10}{r['dp_replicate']:>7}{r['dp_shard']:>9}  "
+        lines.append(f"  {r['tp']:>3}{r['pp']:>4}{r['cp']:>4} {_cp_method(r):<10}"
+                     f"{r['dp_replicate']:>7}{r['dp_shard']:>9}  "
                      f"{r['ac']:<13}{r['peak_gib']:>9.1f}{r['step_s']:>9.3f}{r['mfu']:>7.1%}")
     if not rows:
         lines.append("  none fits: lower the local batch or sequence length, or add GPUs")
