@@ -296,7 +296,7 @@ def spawn(fn, world, *args, timeout=300, fresh=False):
 
 class BytesSent(TorchDispatchMode):
     """The collectives this rank runs while active, by kind (`counts`: "all_gather", "reduce_scatter",
-    "all_reduce", "send"), and the bytes it sends in them as ring algorithms over `n` ranks send them
+    "all_reduce", "send", "all_to_all"), and the bytes it sends in them as ring algorithms over `n` ranks send them
     (`bytes`; per kind in `bytes_by_kind`): the traced functional ops (TP's redistributions), the in-place
     c10d ones (FSDP's, CP's) and point-to-point sends (PP's). Not seen: what DTensor runs inside an
     operator's own dispatch (loss parallelism's reductions of per-token scalars). `keep(input tensor)`
@@ -311,6 +311,7 @@ class BytesSent(TorchDispatchMode):
         ("c10d", "_reduce_scatter_base_"): ("reduce_scatter", 1, lambda n: (n - 1) / n),
         ("c10d", "allreduce_"): ("all_reduce", 0, lambda n: 2 * (n - 1) / n),  # ([tensor], ...): HSDP
         ("c10d", "send"): ("send", 0, lambda n: 1),  # ([tensor], ...): pipeline stages
+        ("c10d", "alltoall_base_"): ("all_to_all", 1, lambda n: (n - 1) / n),  # (output, input): Ulysses CP
     }
 
     def __init__(self, n: int, keep=lambda t: True):

@@ -101,7 +101,8 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelPar
         pipeline, parts = None, [parallelize(model)]
     par = cfg.parallelism
     runner = StepRunner(parts, pipeline, loss_fn, dims, device, autocast_dtype=autocast,
-                        cp_load_balance=par.cp_load_balance, document_mask=cfg.model.attn_mask == "document",
+                        cp_load_balance=par.cp_load_balance, cp_ulysses=dims.cp_ulysses,
+                        document_mask=cfg.model.attn_mask == "document",
                         loss_parallel=par.tp_loss_parallel,
                         moe_experts={i: block.args.n_experts for i, block in moe.items()})
     if cfg.float8.enable:  # the next step's float8 scales, where FSDP gathers float8 weights

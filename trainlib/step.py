@@ -44,6 +44,7 @@ class StepRunner:
     device: torch.device
     autocast_dtype: torch.dtype | None = None  # bf16 compute over fp32 weights on one rank (or None)
     cp_load_balance: bool = True
+    cp_ulysses: int = 1  # ranks of each Ulysses all-to-all (parallelism.cp_method): how batches are cut
     document_mask: bool = False  # model.attn_mask = "document": doc ids from the whole windows
     loss_parallel: bool = True  # parallelism.tp_loss_parallel (under TP: the loss runs on vocab shards)
     # the whole model's MoE blocks, layer index -> n_experts (every pipeline stage's runner holds all of them)
@@ -60,7 +61,8 @@ class StepRunner:
     def local(self, micro_batches: list[dict]) -> list[dict]:
         """The micro-batches as this rank feeds them to the model: document ids, then its CP chunks."""
         cp_mesh = self.dims.mesh("cp") if self.dims.cp_enabled else None
-        return local_micro_batches(micro_batches, cp_mesh, self.cp_load_balance, self.document_mask, self.device)
+        return local_micro_batches(micro_batches, cp_mesh, self.cp_load_balance, self.document_mask, self.device,
+                                   self.cp_ulysses)
 
     def forward_backward(self, micro_batches: list[dict], n_targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Forward and backward over one step's micro-batches, each loss divided by `n_targets` (the global

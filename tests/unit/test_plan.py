@@ -424,6 +424,11 @@ def test_plan_refuses_to_run_inside_a_job(monkeypatch):
     (2, ["tp=2"], {"tp": None, "tp_grad_all_reduce": None}), (2, ["tp=2", "tp_sequence_parallel=false"], {"tp": None}),
     (2, ["pp=2"], {"pp_p2p": None}),
     (2, ["cp=2"], {"fsdp_all_gather": None, "fsdp_reduce_scatter": 0.5 * 4, "cp_kv": None}),  # FSDP over cp
+    # Ulysses: the all-to-all instead of the K/V all-gather; hybrid: both, on their own meshes
+    (2, ["cp=2", "cp_method=ulysses"], {"fsdp_all_gather": None, "fsdp_reduce_scatter": 0.5 * 4,
+                                        "cp_all_to_all": None}),
+    (4, ["cp=4", "cp_method=hybrid", "cp_ulysses=2"], {"fsdp_all_gather": None, "fsdp_reduce_scatter": 0.75 * 4,
+                                                       "cp_inner_all_to_all": None, "cp_outer_kv": None}),
 ])
 def test_communication_lines_follow_the_layout(world, layout, lines):
     """Each axis adds its own traffic line and no other; FSDP's reduce-scatter and HSDP's all-reduce in
@@ -590,16 +595,18 @@ def test_suggest_ranks_fitting_layouts_by_step_time():
     assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
     assert all(r["tp"] * r["pp"] * r["cp"] * r["dp_replicate"] * r["dp_shard"] == 8 for r in rows)
     assert {r["tp"] for r in rows} == {1, 2}  # tp divides the 2 kv heads
-    # A batch of 4 rejects 9 of the 42 layouts that fit 8 GPUs (8 data-parallel ranks cannot split it): none
-    # is listed, and each row's overrides plan that very row (pipelines with 1F1B).
+    # A batch of 4 rejects 9 of the 42 all-gather layouts that fit 8 GPUs (8 data-parallel ranks cannot split
+    # it): none is listed, and each row's overrides plan that very row (pipelines with 1F1B; its CP method).
     batch = ["training.global_batch_size=4"]
-    rows = suggest(DEBUG, 8, "h100", batch, top=50)
-    assert len(rows) == 33 and all(r["dp_replicate"] * r["dp_shard"] <= 4 for r in rows)
+    rows = suggest(DEBUG, 8, "h100", batch, top=200)
+    assert len([r for r in rows if r["cp_method"] == "allgather"]) == 33
+    assert all(r["dp_replicate"] * r["dp_shard"] <= 4 for r in rows)
     for r in rows:
         assert ("parallelism.pp_schedule=1F1B" in r["set"]) == (r["pp"] > 1), r
         p = make_plan(DEBUG, 8, "h100", batch + r["set"])
-        assert (p.degrees["tp"], p.degrees["pp"], p.degrees["cp"], p.degrees["dp_shard"], p.step_seconds) == (
-            r["tp"], r["pp"], r["cp"], r["dp_shard"], r["step_s"]), r
+        assert (p.degrees["tp"], p.degrees["pp"], p.degrees["cp"], p.degrees["dp_shard"], p.step_seconds,
+                p.cp_method if r["cp"] > 1 else "allgather") == (
+            r["tp"], r["pp"], r["cp"], r["dp_shard"], r["step_s"], r["cp_method"]), r
 
 
 def test_every_shipped_recipe_plans_and_fits_its_target_cluster():
@@ -644,9 +651,11 @@ def test_cli_suggest_lists_the_searchs_rows_and_refuses_a_world_below_one(capsys
     lines = capsys.readouterr().out.splitlines()
     rows = suggest(DEBUG, 8, "h100", top=3)
     assert lines[0] == f"layouts of {DEBUG} on 8 x H100 SXM 80GB that fit, fastest first:"
-    assert lines[1].split() == ["tp", "pp", "cp", "dp_rep", "dp_shard", "ac", "peak", "GiB", "step", "s", "MFU"]
-    assert [x.split()[:6] for x in lines[2:]] == [
-        [str(r[k]) for k in ("tp", "pp", "cp", "dp_replicate", "dp_shard", "ac")] for r in rows]
+    assert lines[1].split() == ["tp", "pp", "cp", "cp_method", "dp_rep", "dp_shard", "ac", "peak", "GiB", "step",
+                                "s", "MFU"]
+    assert [x.split()[:7] for x in lines[2:]] == [
+        [str(r[k]) for k in ("tp", "pp", "cp")] + [f"hybrid:{r['cp_ulysses']}" if r["cp_ulysses"] else r["cp_method"]]
+        + [str(r[k]) for k in ("dp_replicate", "dp_shard", "ac")] for r in rows]
     assert main(["--recipe", DEBUG, "--world-size", "8", "--suggest", "--top", "2", "--json"]) == 0
     assert json.loads(capsys.readouterr().out) == json.loads(json.dumps(rows[:2]))
     assert format_suggestions([], DEBUG, 8, "h100").splitlines()[-1] == (
@@ -654,3 +663,36 @@ def test_cli_suggest_lists_the_searchs_rows_and_refuses_a_world_below_one(capsys
     assert main(["--recipe", DEBUG, "--world-size", "0"]) == 2
     assert capsys.readouterr().err == "trainlib.plan: error: --world-size must be >= 1, got 0\n"
     assert main(["--help"]) == 0 and "--suggest" in capsys.readouterr().out
+
+
+def test_cp_methods_are_priced_and_suggested():
+    """Llama 3 8B (32 heads, 8 KV heads) at 128k tokens on 8 GPUs, cp = 8: the all-gather sends 7 x the
+    local K/V (2 x 8 heads) per pass, Ulysses 7/8 of q, k, v and the output (2 x 32 + 2 x 8 heads), so
+    Ulysses sends 70/112 of the all-gather's bytes; hybrid 2 x 4 gathers 3 x the K/V of 8 heads (2 per rank
+    x 4 slices) and all-to-alls 1/2 of 2 x 32 + 2 x 8 heads. The all-gather keeps the other ranks' K/V for
+    backward (7 x 2 x 8 heads per token and block without AC); Ulysses keeps none. --suggest lists
+    each method, and a tie in time goes to the smaller CP traffic."""
+    from trainlib.plan.cli import format_plan
+
+    eight_b = str(RECIPES / "llama3_8b.toml")
+    base = ["parallelism.cp=8", "training.seq_len=131072", "training.local_batch_size=1",
+            "training.global_batch_size=1"]
+    plans = {m: make_plan(eight_b, 8, overrides=base + [f"parallelism.cp_method={m}", "activation_checkpoint.mode=none"]
+                          + (["parallelism.cp_ulysses=4"] if m == "hybrid" else []))
+             for m in ("allgather", "ulysses", "hybrid")}
+    gather, a2a = plans["allgather"].comm_bytes["cp_kv"], plans["ulysses"].comm_bytes["cp_all_to_all"]
+    assert a2a / gather == pytest.approx((7 / 8 * 80) / (7 * 16))
+    hybrid = plans["hybrid"].comm_bytes
+    assert hybrid["cp_outer_kv"] / gather == pytest.approx(1 * 16 / (7 * 16))
+    assert hybrid["cp_inner_all_to_all"] / a2a == pytest.approx((3 / 4) / (7 / 8))
+    act = {m: p.stages[0].memory["activations"] for m, p in plans.items()}
+    per_block_token = 2 * 2 * 128  # bf16 K and V of one head
+    extra = 7 * 8 * per_block_token * 131072 / 8 * 32  # 7 other ranks' 8 heads, 16k local tokens, 32 blocks
+    assert act["allgather"] - act["ulysses"] == pytest.approx(extra)
+    assert "cp_method=ulysses" in format_plan(plans["ulysses"]).splitlines()[1]
+
+    rows = suggest(DEBUG, 4, "h100", top=200)
+    methods = {(r["cp"], r["cp_method"], r["cp_ulysses"]) for r in rows if r["cp"] > 1}
+    assert {(2, "ulysses", None), (4, "hybrid", 2), (4, "ulysses", None), (2, "allgather", None)} <= methods
+    for a, b in zip(rows, rows[1:]):
+        assert (a["step_s"], a["cp_gib"]) <= (b["step_s"], b["cp_gib"])

@@ -8,6 +8,7 @@ live here.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import importlib.util
 import inspect
@@ -59,7 +60,7 @@ def validate_job(cfg: JobConfig, dims: ParallelDims, model_args, tokenizer_vocab
             raise ConfigError(f"training.{key} = 'rollback' reloads the last checkpoint, but checkpoint.enable is "
                               f"false; enable checkpoints or pick 'skip' or 'stop'")
     _validate_tp_pp(cfg, dims, model_args)
-    _validate_cp(cfg, dims)
+    _validate_cp(cfg, dims, model_args)
     _validate_cpu_offload(cfg, dims)
     _validate_moe(cfg, dims, model_args)
     if cfg.model.attn_mask == "document":
@@ -183,17 +184,37 @@ def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args) -> None:
             f"on torch 2.13 (loss off by ~2e-2 from step 2); use 'default' (False under PP) or 'never'")
 
 
-def _validate_cp(cfg: JobConfig, dims: ParallelDims) -> None:
+def _validate_cp(cfg: JobConfig, dims: ParallelDims, model_args) -> None:
     if dims.cp == 1:
         return
-    seq, lb = cfg.training.seq_len, cfg.parallelism.cp_load_balance
-    chunks = 2 * dims.cp if lb else dims.cp
-    if seq % chunks:
-        layout = f"2 * cp = {chunks} (load-balanced layout)" if lb else f"cp = {chunks}"
+    par, seq = cfg.parallelism, cfg.training.seq_len
+    u = dims.cp_ulysses
+    outer = dims.cp // u
+    if outer > 1:  # the all-gather layout: 2 chunks per outer rank (1 unbalanced), each cut in u pieces
+        lb = par.cp_load_balance
+        chunks = 2 * outer if lb else outer
+        need = math.lcm(chunks, dims.cp)
+        layout = (f"2 * cp = {need} (load-balanced layout)" if lb and u == 1 else f"cp = {need}" if u == 1 else
+                  f"{need} (lcm of the {chunks} all-gather chunks and cp = {dims.cp}, hybrid layout)")
+    else:
+        need, layout = dims.cp, f"cp = {dims.cp} (Ulysses: one contiguous part per rank)"
+    if seq % need:
         raise ConfigError(
             f"training.seq_len ({seq}) must be divisible by {layout} for context parallelism; "
-            f"e.g. set training.seq_len to {max(1, seq // chunks) * chunks}"
+            f"e.g. set training.seq_len to {max(1, seq // need) * need}"
         )
+    if u == 1:
+        return
+    degree = "cp" if u == dims.cp else "cp_ulysses"
+    for i, block in enumerate(get_model_spec(cfg.model.name).block_shapes(model_args)):
+        heads = block.n_heads // dims.tp
+        if heads % u:
+            fits = [d for d in range(2, dims.cp) if dims.cp % d == 0 and heads % d == 0]
+            fix = f"set cp_method = 'hybrid' with cp_ulysses in {fits}" if fits else "use cp_method = 'allgather'"
+            raise ConfigError(
+                f"parallelism.cp_method = '{par.cp_method}' splits each tp rank's query heads over the all-to-all "
+                f"degree {degree} ({u}), but block {i} has n_heads / tp = {block.n_heads} / {dims.tp} = {heads}, "
+                f"not divisible by {u}; {fix}, or change tp")
 
 
 def _validate_cpu_offload(cfg: JobConfig, dims: ParallelDims) -> None:

@@ -2,7 +2,8 @@
 
 Order (each step assumes the previous ones):
   1. tensor parallel (+ sequence parallel)   changes module forward layouts (the family's `TPPlan`)
-  2. context parallel                        all-gather CP: each rank gathers K/V over cp
+  2. context parallel                        K/V gathered over cp, or Ulysses' all-to-all
+                                             (parallelism.cp_method)
   3. activation checkpointing                wraps blocks
   4. torch.compile                           per block, after AC wrapping
   5. expert parallel                         MoE blocks' experts sharded over ep
@@ -51,7 +52,11 @@ def parallelize_dense(
                  tp_plan(parallelism.tp_sequence_parallel, parallelism.tp_loss_parallel),
                  async_tp=parallelism.tp_async)
     if parallel_dims.cp_enabled:
-        apply_cp(model, parallel_dims.mesh("cp"), load_balance=parallelism.cp_load_balance)
+        u = parallel_dims.cp_ulysses
+        hybrid = 1 < u < parallel_dims.cp
+        apply_cp(model, parallel_dims.mesh("cp"), load_balance=parallelism.cp_load_balance, ulysses=u,
+                 outer_mesh=parallel_dims.mesh("cp_outer") if hybrid else None,
+                 inner_mesh=parallel_dims.mesh("cp_inner") if hybrid else None)
     if ac is not None:
         apply_ac(model, ac.mode, every_k=ac.every_k, selective_op_policy=ac.selective_op_policy)
     if compile is not None and compile.enable:

@@ -74,13 +74,41 @@ class ParallelismConfig:
     cp_load_balance: bool = field(default=True, metadata={
         "help": "under CP, rank r holds chunks r and 2*cp-1-r so causal attention work is even; "
                 "false = one contiguous chunk"})
+    # How attention reaches the other cp ranks' tokens (trainlib.parallel.cp, docs/context_parallel.md):
+    # "allgather" gathers K/V over cp; "ulysses" re-shards q/k/v from sequence to heads by an all-to-all
+    # over cp; "hybrid" does the all-to-all over cp_ulysses adjacent cp ranks and the all-gather across them.
+    cp_method: Literal["allgather", "ulysses", "hybrid"] = field(default="allgather", metadata={
+        "help": "under CP, how attention sees the whole sequence: allgather (K/V gathered over cp), ulysses "
+                "(all-to-all from sequence to heads; query heads per tp rank divisible by cp), hybrid "
+                "(ulysses over cp_ulysses adjacent ranks, allgather across them)"})
+    cp_ulysses: int | None = field(default=None, metadata={
+        "help": "cp_method = hybrid only: the inner all-to-all degree (a divisor of cp; put it within a node); "
+                "none = unset"})
 
     def __post_init__(self) -> None:
         check_degrees({axis: getattr(self, axis) for axis in (*AXES, "ep")})
+        self._check_cp_method()
         for key in ("pp_microbatches", "pp_stages_per_rank"):
             if getattr(self, key) is not None and getattr(self, key) < 1:
                 raise ConfigError(f"parallelism.{key} must be >= 1 (or unset for the default), got {getattr(self, key)}")
 
+    def _check_cp_method(self) -> None:
+        u = self.cp_ulysses
+        if self.cp_method != "hybrid":
+            if u is not None:
+                raise ConfigError(f"parallelism.cp_ulysses ({u}) is the inner degree of cp_method = 'hybrid', "
+                                  f"but cp_method = '{self.cp_method}'; set cp_method = 'hybrid' or unset cp_ulysses")
+            return
+        if u is None or u < 1 or self.cp % u:
+            got = "unset" if u is None else str(u)
+            divisors = [d for d in range(1, self.cp + 1) if self.cp % d == 0]
+            raise ConfigError(f"parallelism.cp_method = 'hybrid' needs cp_ulysses, the inner all-to-all degree, "
+                              f"dividing cp ({self.cp}); got {got}; set cp_ulysses to one of {divisors}")
+
+    @property
+    def ulysses_degree(self) -> int:
+        """Ranks each all-to-all spans (1: none, all-gather only; cp: Ulysses only)."""
+        return {"allgather": 1, "ulysses": self.cp, "hybrid": self.cp_ulysses or 1}[self.cp_method]
 
 @dataclass
 class ActivationCheckpointConfig:

@@ -35,6 +35,13 @@ whole window stay whole (`shard_batch` does not cut them), and the model's
 positions (in layout order) over all S keys; each layer then runs the model's
 own masked kernel on the local queries and the gathered K/V. RoPE positions
 are the window positions 0..S-1, permuted by the layout, with either mask.
+
+That is `parallelism.cp_method = "allgather"`. "ulysses" swaps the gather for
+an all-to-all from sequence to heads and back (trainlib.parallel.ulysses), and
+"hybrid" runs that all-to-all over u adjacent cp ranks and the gather above
+across the cp/u groups; `shard_sequence(..., ulysses=u)` nests the layouts so
+that the all-to-all reassembles each all-gather rank's part
+(docs/context_parallel.md).
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from trainlib.data import document_ids
 from trainlib.models.layers import Attention
+from trainlib.parallel.ulysses import ulysses_sdpa
 
 __all__ = ["apply_cp", "chunk_ids", "cp_sdpa", "layout_positions", "local_micro_batches", "shard_batch", "shard_sequence", "unshard_sequence"]
 
@@ -62,8 +70,7 @@ def _num_chunks(cp: int, load_balance: bool) -> int:
     return 2 * cp if load_balance else cp
 
 
-def shard_sequence(x: torch.Tensor, cp: int, rank: int, load_balance: bool = True, dim: int = 1) -> torch.Tensor:
-    """This rank's part of `x` along `dim` (the full sequence)."""
+def _shard_chunks(x: torch.Tensor, cp: int, rank: int, load_balance: bool, dim: int) -> torch.Tensor:
     n = _num_chunks(cp, load_balance)
     if x.shape[dim] % n:
         raise ValueError(f"sequence length {x.shape[dim]} is not divisible by {n} chunks (cp={cp}, "
@@ -72,25 +79,49 @@ def shard_sequence(x: torch.Tensor, cp: int, rank: int, load_balance: bool = Tru
     return torch.cat([chunks[g] for g in chunk_ids(cp, rank, load_balance)], dim=dim)
 
 
-def unshard_sequence(parts: list[torch.Tensor], load_balance: bool = True, dim: int = 1) -> torch.Tensor:
+def shard_sequence(x: torch.Tensor, cp: int, rank: int, load_balance: bool = True, dim: int = 1,
+                   ulysses: int = 1) -> torch.Tensor:
+    """This rank's part of `x` along `dim` (the full sequence).
+
+    `ulysses` (u, dividing cp): cp rank r = outer * u + inner. The outer rank
+    holds the chunks of the all-gather layout over cp/u ranks (load-balanced
+    only when cp/u > 1: Ulysses alone needs no balance, every rank attends
+    over the whole sequence), and the inner rank the inner-th of u contiguous
+    pieces of them, so an all-to-all over the u inner ranks reassembles the
+    outer rank's part in its order."""
+    outer, inner = divmod(rank, ulysses)
+    if cp > ulysses:
+        x = _shard_chunks(x, cp // ulysses, outer, load_balance, dim)
+    if ulysses == 1:
+        return x
+    if x.shape[dim] % ulysses:
+        raise ValueError(f"sequence part of length {x.shape[dim]} is not divisible by the Ulysses degree {ulysses}")
+    return x.chunk(ulysses, dim=dim)[inner]
+
+
+def unshard_sequence(parts: list[torch.Tensor], load_balance: bool = True, dim: int = 1,
+                     ulysses: int = 1) -> torch.Tensor:
     """Inverse of `shard_sequence`: the full sequence from every rank's part (rank order)."""
     cp = len(parts)
-    k = len(chunk_ids(cp, 0, load_balance))
+    outer_parts = [torch.cat(parts[o * ulysses:(o + 1) * ulysses], dim=dim) for o in range(cp // ulysses)]
+    if len(outer_parts) == 1:
+        return outer_parts[0]
+    k = len(chunk_ids(len(outer_parts), 0, load_balance))
     chunks: dict[int, torch.Tensor] = {}
-    for rank, part in enumerate(parts):
-        for g, c in zip(chunk_ids(cp, rank, load_balance), part.chunk(k, dim=dim)):
+    for rank, part in enumerate(outer_parts):
+        for g, c in zip(chunk_ids(len(outer_parts), rank, load_balance), part.chunk(k, dim=dim)):
             chunks[g] = c
     return torch.cat([chunks[g] for g in range(len(chunks))], dim=dim)
 
 
 def layout_positions(seq_len: int, cp: int, rank: int, load_balance: bool = True,
-                     device: torch.device | str | None = None) -> torch.Tensor:
+                     device: torch.device | str | None = None, ulysses: int = 1) -> torch.Tensor:
     """Positions 0..seq_len-1 of the tokens this rank holds, in local order."""
-    return shard_sequence(torch.arange(seq_len, device=device), cp, rank, load_balance, dim=0)
+    return shard_sequence(torch.arange(seq_len, device=device), cp, rank, load_balance, dim=0, ulysses=ulysses)
 
 
 def local_micro_batches(micro_batches: list[dict], cp_mesh: DeviceMesh | None, load_balance: bool,
-                        document_mask: bool, device: torch.device) -> list[dict]:
+                        document_mask: bool, device: torch.device, ulysses: int = 1) -> list[dict]:
     """The micro-batches as this rank feeds them to the model (training and
     validation alike): document ids from the whole windows first, since under
     CP every rank's queries are masked against all keys; then, with a cp mesh,
@@ -98,17 +129,17 @@ def local_micro_batches(micro_batches: list[dict], cp_mesh: DeviceMesh | None, l
     if document_mask:
         micro_batches = [{**mb, "doc_ids": document_ids(mb["position_ids"]).to(device)} for mb in micro_batches]
     if cp_mesh is not None:
-        micro_batches = [shard_batch(mb, cp_mesh, load_balance) for mb in micro_batches]
+        micro_batches = [shard_batch(mb, cp_mesh, load_balance, ulysses) for mb in micro_batches]
     return micro_batches
 
 
 def shard_batch(batch: dict[str, torch.Tensor], cp_mesh: DeviceMesh,
-                load_balance: bool = True) -> dict[str, torch.Tensor]:
+                load_balance: bool = True, ulysses: int = 1) -> dict[str, torch.Tensor]:
     """Cut every [b, seq] tensor of a micro-batch (input, labels, position_ids)
     to this cp rank's chunks. Ranks of one cp group load the same batch.
     `doc_ids` stays whole: every rank's queries are masked against all keys."""
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    return {key: t if key == "doc_ids" else shard_sequence(t, cp, rank, load_balance, dim=1)
+    return {key: t if key == "doc_ids" else shard_sequence(t, cp, rank, load_balance, dim=1, ulysses=ulysses)
             for key, t in batch.items()}
 
 
@@ -264,36 +295,61 @@ def cp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, gro
     return torch.cat(outs, dim=2)
 
 
-def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool = True) -> nn.Module:
-    """Route every block's attention kernel to `cp_sdpa` on `cp_mesh`, and make
-    RoPE and document masks follow the chunk layout.
+def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool = True, ulysses: int = 1,
+             outer_mesh: DeviceMesh | None = None, inner_mesh: DeviceMesh | None = None) -> nn.Module:
+    """Route every block's attention kernel to context-parallel attention on
+    `cp_mesh`, and make RoPE and document masks follow the chunk layout.
+
+    `ulysses` picks the method (parallelism.cp_method): 1 all-gathers K/V over
+    cp (`cp_sdpa`); cp re-shards from sequence to heads by all-to-all over cp
+    (`trainlib.parallel.ulysses`) and runs the model's own kernel; in between
+    (hybrid) the all-to-all runs over `inner_mesh` (u adjacent cp ranks) and
+    the all-gather over `outer_mesh` (cp/u ranks), ParallelDims' cp_inner and
+    cp_outer.
 
     Every attention module (a subclass of `trainlib.models.layers.Attention`,
     the model contract) has its `sdpa` kernel replaced per instance (the model
     file stays single-device); the replaced one stays the kernel for document
-    masks. A forward pre-hook on the model supplies `position_ids` (this
-    rank's window positions) whenever the caller passes none, so every caller,
-    pipeline stages included, gets the right RoPE without threading positions
-    through; the model's `attention_mask` is rebound to build the rows of
-    those positions. Inputs must already be sharded with `shard_batch`.
+    masks and for Ulysses. A forward pre-hook on the model supplies
+    `position_ids` (this rank's window positions) whenever the caller passes
+    none, so every caller, pipeline stages included, gets the right RoPE
+    without threading positions through; the model's `attention_mask` is
+    rebound to build the rows of the queries attention sees (the all-gather
+    group's layout; the whole window under Ulysses alone). Inputs must
+    already be sharded with `shard_batch` (same `load_balance` and `ulysses`).
     """
-    cp, rank, group = cp_mesh.size(), cp_mesh.get_local_rank(), cp_mesh.get_group()
-    kernel = functools.partial(cp_sdpa, group=group, cp=cp, rank=rank, load_balance=load_balance,
+    cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
+    if cp % ulysses:
+        raise ValueError(f"the Ulysses degree {ulysses} does not divide cp {cp}")
+    outer_cp, outer_rank = cp // ulysses, rank // ulysses
+    if 1 < ulysses < cp:
+        if outer_mesh is None or inner_mesh is None or (outer_mesh.size(), inner_mesh.size()) != (outer_cp, ulysses):
+            raise ValueError(f"hybrid CP (ulysses={ulysses}, cp={cp}) needs outer and inner meshes of sizes "
+                             f"{outer_cp} and {ulysses}")
+        outer_group, inner_group = outer_mesh.get_group(), inner_mesh.get_group()
+    else:
+        outer_group = inner_group = cp_mesh.get_group()
+    gather = functools.partial(cp_sdpa, group=outer_group, cp=outer_cp, rank=outer_rank, load_balance=load_balance,
                                masks=_MaskCache())
     n = 0
     for module in model.modules():
         if isinstance(module, Attention):
-            module.sdpa = functools.partial(kernel, attend=module.sdpa)
+            attend = module.sdpa
+            if outer_cp > 1:
+                attend = functools.partial(gather, attend=attend)
+            if ulysses > 1:
+                attend = functools.partial(ulysses_sdpa, group=inner_group, u=ulysses, attend=attend)
+            module.sdpa = attend
             n += 1
     if n == 0:
         raise ValueError("apply_cp found no attention module (a subclass of trainlib.models.layers.Attention) "
                          "to route")
 
-    if hasattr(model, "attention_mask"):  # a model that supports document masking
+    if hasattr(model, "attention_mask") and outer_cp > 1:  # a model that supports document masking
         build_mask = model.attention_mask
 
         def attention_mask(doc_ids: torch.Tensor, dtype: torch.dtype):
-            q_positions = layout_positions(doc_ids.shape[1], cp, rank, load_balance, doc_ids.device)
+            q_positions = layout_positions(doc_ids.shape[1], outer_cp, outer_rank, load_balance, doc_ids.device)
             return build_mask(doc_ids, dtype, q_positions)
 
         model.attention_mask = attention_mask
@@ -302,7 +358,8 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool = True
         if kwargs.get("position_ids") is not None or len(args) > 1:
             return None
         x = args[0] if args else kwargs["tokens"]  # token ids, or hidden states on a later pipeline stage
-        kwargs["position_ids"] = layout_positions(x.shape[1] * cp, cp, rank, load_balance, x.device).unsqueeze(0)
+        kwargs["position_ids"] = layout_positions(x.shape[1] * cp, cp, rank, load_balance, x.device,
+                                                  ulysses).unsqueeze(0)
         return args, kwargs
 
     model.register_forward_pre_hook(supply_positions, with_kwargs=True)

@@ -23,6 +23,8 @@ Named meshes handed out by `mesh(name)`:
   fsdp         (dp_replicate, dp_shard_cp), 2-D, for HSDP
   dp_cp        dp_replicate x dp_shard x cp   ranks over which the loss and
                token counts are summed (every rank that holds distinct tokens)
+  cp_outer, cp_inner  (hybrid context parallel, 1 < cp_ulysses < cp) cp split
+               into cp/cp_ulysses x cp_ulysses, inner = adjacent cp ranks
   efsdp, ep    (ep > 1) the sparse axes
   expert_fsdp  (ep > 1) (dp_replicate, efsdp), 2-D: what experts' FSDP/HSDP uses
 """
@@ -48,6 +50,9 @@ class ParallelDims:
     pp: int = 1
     world_size: int = 1
     ep: int = 1
+    # ranks each context-parallel all-to-all spans (cp_method: allgather 1, ulysses cp, hybrid cp_ulysses);
+    # between 1 and cp it splits cp into cp_outer x cp_inner meshes
+    cp_ulysses: int = 1
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
     _view_dim: dict[str, tuple[DeviceMesh, int]] = field(default_factory=dict, init=False, repr=False)
 
@@ -71,7 +76,10 @@ class ParallelDims:
                 f"pp({self.pp}) = {total} != world size {self.world_size}; make the product equal the number "
                 f"of processes{launch}, or set parallelism.dp_shard = -1 to use the remaining ranks"
             )
-        check_degrees({"ep": self.ep})
+        check_degrees({"ep": self.ep, "cp_ulysses": self.cp_ulysses})
+        if self.cp % self.cp_ulysses:
+            raise ConfigError(f"parallelism.cp_ulysses ({self.cp_ulysses}) must divide cp ({self.cp}); pick one of "
+                              f"{[d for d in range(1, self.cp + 1) if self.cp % d == 0]}")
         span = self.dp_shard * self.cp * self.tp
         if span % self.ep:
             raise ConfigError(
@@ -83,6 +91,7 @@ class ParallelDims:
     def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
         """The degrees of a [parallelism] recipe section (ParallelismConfig)."""
         return cls(world_size=world_size, ep=getattr(parallelism, "ep", 1),
+                   cp_ulysses=getattr(parallelism, "ulysses_degree", 1),
                    **{axis: getattr(parallelism, axis) for axis in AXES})
 
     # ---- degrees -------------------------------------------------------------
@@ -150,6 +159,9 @@ class ParallelDims:
             ((pp, dpr * dps, cp, tp), ("pp", "dp", "cp", "tp")),
             ((pp, dpr * dps * cp, tp), ("pp", "dp_cp", "tp")),
         ]
+        if 1 < self.cp_ulysses < cp:  # hybrid CP: all-to-all over adjacent cp ranks, all-gather across them
+            views.append(((pp, dpr, dps, cp // self.cp_ulysses, self.cp_ulysses, tp),
+                          ("pp", "dp_replicate", "dp_shard", "cp_outer", "cp_inner", "tp")))
         for shape, names in views:
             # A size-1 axis gets a fake process group (torch's "fake" backend, which
             # DeviceMesh offers for disabled dims): no real communicator or gloo

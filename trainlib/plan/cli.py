@@ -25,6 +25,8 @@ time; see docs/planner.md. Recipe keys are overridden as --section.key=value,
 def format_plan(p: Plan) -> str:
     unit, div = ("GiB", GiB) if p.max_total_bytes >= GiB else ("MiB", 2**20)
     deg = " ".join(f"{k}={v}" for k, v in p.degrees.items())
+    if p.degrees.get("cp", 1) > 1:
+        deg += f" cp_method={p.cp_method}" + (f" cp_ulysses={p.cp_ulysses}" if p.cp_method == "hybrid" else "")
     lines = [
         f"plan: {p.recipe} on {p.world_size} x {GPUS[p.gpu].name} | {p.model} {p.n_params / 1e9:.3g}B params",
         f"layout: {deg} | seq {p.seq_len} | local batch {p.local_batch_size} (micro-batch {p.microbatch}, "
@@ -74,12 +76,19 @@ def _compute_lines(p: Plan) -> list[str]:
             + ", ".join(f"{k} {v:.3f}" for k, v in memory.items())]
 
 
+def _cp_method(row: dict) -> str:
+    """allgather, ulysses or hybrid:<inner degree>"""
+    return f"hybrid:{row['cp_ulysses']}" if row.get("cp_ulysses") else row.get("cp_method", "allgather")
+
+
 def format_suggestions(rows: list[dict], recipe: str | None, world_size: int, gpu: str) -> str:
     lines = [f"layouts of {recipe} on {world_size} x {GPUS[gpu].name} that fit, fastest first:",
-             f"  {'tp':>3}{'pp':>4}{'cp':>4}{'dp_rep':>7}{'dp_shard':>9}  {'ac':<13}{'peak GiB':>9}{'step s':>9}"
+             f"  {'tp':>3}{'pp':>4}{'cp':>4} {'cp_method':<10}{'dp_rep':>7}{'dp_shard':>9}  {'ac':<13}"
+             f"{'peak GiB':>9}{'step s':>9}"
              f"{'MFU':>7}"]
     for r in rows:
-        lines.append(f"  {r['tp']:>3}{r['pp']:>4}{r['cp']:>4}{r['dp_replicate']:>7}{r['dp_shard']:>9}  "
+        lines.append(f"  {r['tp']:>3}{r['pp']:>4}{r['cp']:>4} {_cp_method(r):<10}"
+                     f"{r['dp_replicate']:>7}{r['dp_shard']:>9}  "
                      f"{r['ac']:<13}{r['peak_gib']:>9.1f}{r['step_s']:>9.3f}{r['mfu']:>7.1%}")
     if not rows:
         lines.append("  none fits: lower the local batch or sequence length, or add GPUs")

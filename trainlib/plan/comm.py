@@ -5,12 +5,14 @@ from __future__ import annotations
 from trainlib import compat
 from trainlib.hardware import GPU
 from trainlib.plan.hardware import link_bytes_per_second
-from trainlib.plan.memory import StepShape
+from trainlib.plan.memory import StepShape, cp_kv_heads
 
 # Which axis each traffic line runs on ("fsdp": the dp_shard x cp mesh FSDP shards over).
 AXIS_OF = {"fsdp_all_gather": "fsdp", "fsdp_reduce_scatter": "fsdp",
            "dp_replicate_all_reduce": "dp_replicate", "tp": "tp", "tp_grad_all_reduce": "tp", "pp_p2p": "pp",
-           "cp_kv": "cp"}
+           "cp_kv": "cp", "cp_all_to_all": "cp",
+           # hybrid CP: the all-to-all within cp_inner, the K/V all-gather across it
+           "cp_inner_all_to_all": "cp_inner", "cp_outer_kv": "cp_outer"}
 
 
 
@@ -61,7 +63,13 @@ def comm_bytes(s: StepShape, *, fsdp_degree: int, dp_replicate: int, grad_accum:
         owners = [rank for _, rank in sorted((stage, r.pp_rank) for r in ranks for stage in r.stage_ids)]
         comm["pp_p2p"] = act * pp_sends(owners) * mbs_per_step
     if cp > 1:
-        comm["cp_kv"] = cp_bytes(s, ac, max(len(r.layers) for r in ranks)) * mbs_per_step
+        blocks = max(len(r.layers) for r in ranks)
+        u = s.cp_ulysses
+        hybrid = 1 < u < cp
+        if u < cp:
+            comm["cp_outer_kv" if hybrid else "cp_kv"] = cp_bytes(s, ac, blocks) * mbs_per_step
+        if u > 1:
+            comm["cp_inner_all_to_all" if hybrid else "cp_all_to_all"] = ulysses_bytes(s, ac, blocks) * mbs_per_step
     return comm
 
 
@@ -98,13 +106,29 @@ def pp_sends(stage_owners: list[int]) -> int:
     return max(sends)
 
 
+def _recomputed(ac) -> float:
+    # every AC mode reruns CP's collectives with the block's forward, selective_op included
+    return {"none": 0, "full": 1, "selective_layer": 1 / ac.every_k, "selective_op": 1}[ac.mode]
+
+
 def cp_bytes(s: StepShape, ac, blocks: int) -> float:
-    """Bytes one rank sends over `cp` per micro-batch: per block the all-gather of this rank's K and V
-    (again where AC recomputes the block: every AC mode reruns it, selective_op included) and the
-    reduce-scatter of their gradients, (cp - 1) times the local K and V each."""
-    kv = 2 * s.elem * s.mb_tokens * s.block.n_kv_heads * s.block.head_dim / s.tp  # this rank's K and V
-    recompute = {"none": 0, "full": 1, "selective_layer": 1 / ac.every_k, "selective_op": 1}[ac.mode]
-    return (2 + recompute) * (s.cp - 1) * kv * blocks
+    """Bytes one rank sends in CP's K/V all-gather per micro-batch (over `cp`, or over cp_outer under
+    hybrid CP): per block the all-gather of the K and V its attention holds (again where AC recomputes
+    the block) and the reduce-scatter of their gradients, (degree - 1) times those K and V each. Under
+    hybrid CP a rank gathers after the all-to-all: u times the tokens of 1/u of the (replicated) KV heads."""
+    degree = s.cp // s.cp_ulysses
+    kv = 2 * s.elem * s.mb_tokens * cp_kv_heads(s) * s.block.head_dim  # the K and V this rank's attention holds
+    return (2 + _recomputed(ac)) * (degree - 1) * kv * blocks
+
+
+def ulysses_bytes(s: StepShape, ac, blocks: int) -> float:
+    """Bytes one rank sends in Ulysses' all-to-alls per micro-batch (over u = cp_ulysses ranks): per block,
+    forward, q, k, v (KV heads replicated to a multiple of u) before attention and the output after it,
+    (u - 1)/u of each; backward the gradients of the same; again where AC recomputes the block. Unlike the
+    all-gather's, this volume falls as the sequence a rank holds (1/cp)."""
+    u, hd = s.cp_ulysses, s.block.head_dim
+    heads = 2 * s.block.n_heads / s.tp + 2 * cp_kv_heads(s)  # q and the output, k and v
+    return (2 + _recomputed(ac)) * (u - 1) / u * s.elem * s.mb_tokens * heads * hd * blocks
 
 
 def comm_seconds(comm: dict[str, float], intra_node: dict[str, bool], hw: GPU, assumptions: dict) -> dict[str, float]:

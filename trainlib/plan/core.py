@@ -66,6 +66,8 @@ class Plan:
     # the seconds of each kind at its fitted rate: "gemm", "attention", and one per memory-bound kind.
     step_work: dict[str, float] = field(default_factory=dict)
     step_terms: dict[str, float] = field(default_factory=dict)
+    cp_method: str = "allgather"  # parallelism.cp_method, and its cp_ulysses under hybrid
+    cp_ulysses: int | None = None
 
 
 # ---- the build, on a fake process group --------------------------------------------------------------------------
@@ -170,7 +172,9 @@ def read_rank_build(cfg, dims, built) -> tuple[RankBuild, dict]:
         n_params=built.n_params, fsdp=any(isinstance(part, FSDPModule) for part in parts),
         n_stages=pipe.stages[0].num_stages if pipe else 1, stages_per_rank=len(stage_ids),
         n_microbatches=pipe.n_microbatches if pipe else 1,
-        groups={**{a: dims.rank_groups(a) for a in dims.degrees()}, "fsdp": dims.rank_groups("dp_shard_cp")},
+        groups={**{a: dims.rank_groups(a) for a in dims.degrees()}, "fsdp": dims.rank_groups("dp_shard_cp"),
+                **({a: dims.rank_groups(a) for a in ("cp_inner", "cp_outer")}
+                   if 1 < dims.cp_ulysses < dims.cp else {})},
         autocast=built.autocast_dtype is not None,
         weight_copies=getattr(built, "weight_copies", None) is not None)
     linears = [(name, m) for part in parts for name, m in part.named_modules() if isinstance(m, nn.Linear)]
@@ -336,7 +340,7 @@ def step_shape(cfg, dims, args, n_stages: int, stages_per_rank: int, n_microbatc
                      schedule=par.pp_schedule, n_stages=n_stages, stages_per_rank=stages_per_rank,
                      n_microbatches=n_microbatches, mb_tokens=local_bs // n_microbatches * t.seq_len / dims.cp,
                      fsdp=fsdp, reshard=reshard_after_forward(par.fsdp_reshard_after_forward, dims.pp_enabled),
-                     block_params=block_params,
+                     block_params=block_params, cp_ulysses=dims.cp_ulysses,
                      loss_chunk_tokens=loss_chunk_tokens(cfg, args.vocab_size, dims.tp, device_type)
                      if cfg.loss.chunked else None)
 
@@ -433,6 +437,7 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
         step_seconds=step_s, tokens_per_second_per_gpu=tokens_step / world_size / step_s,
         mfu=useful / step_s / (hw.bf16_tflops * 1e12),
         max_total_bytes=worst.total_bytes, fits=fits, assumptions={**A, "gpu": asdict(hw)}, warnings=warnings,
+        cp_method=par.cp_method, cp_ulysses=par.cp_ulysses,
     )
 
 

@@ -5,6 +5,7 @@ Every formula is written out, with its validation, in docs/planner.md.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -164,6 +165,7 @@ class StepShape:
     reshard: bool  # FSDP reshards blocks after forward
     block_params: int  # elements of one block one tp rank holds, unsharded by FSDP (norm weights whole)
     loss_chunk_tokens: int | None = None  # loss.chunk_tokens under loss.chunked, else None (whole logits)
+    cp_ulysses: int = 1  # ranks of CP's all-to-all (parallelism.cp_method: allgather 1, ulysses cp, hybrid)
 
     @property
     def block(self):
@@ -180,12 +182,32 @@ def activation_bytes(s: StepShape, ac, pp_rank: int, layers: list[int], has_emb:
     # `kept` covers all this rank's layers for one micro-batch; in flight
     # counts one stage's worth, so scale by stages held over stages owned.
     act = kept * in_flight / s.stages_per_rank
+    act += cp_kept_bytes(s, ac, layers) * in_flight / s.stages_per_rank
     if has_emb:
         act += 8 * s.mb_tokens * in_flight / s.stages_per_rank  # token ids kept by the embedding
     if has_out:  # final norm (as in a block) and the output projection's input
         act += ((8 * s.dim + 4) / (s.tp if s.sp else 1) + s.elem * s.dim) * s.mb_tokens * in_flight \
             / s.stages_per_rank
     return act, recompute
+
+
+def cp_kv_heads(s: StepShape) -> int:
+    """KV heads one rank's attention reads per all-to-all slice times the slices: lcm(kv heads per tp rank,
+    u), since Ulysses replicates KV heads that its degree u does not divide (trainlib.parallel.ulysses)."""
+    return math.lcm(s.block.n_kv_heads // s.tp, s.cp_ulysses)
+
+
+def cp_kept_bytes(s: StepShape, ac, layers: list[int]) -> float:
+    """What context parallelism adds to the blocks' kept activations (beyond `layer_bytes`, which counts
+    this rank's own K and V), for blocks AC does not recompute: the all-gather's K and V of the other
+    (cp / u - 1) ranks of its group, and Ulysses' replicated KV heads. q and the output keep their size
+    through the all-to-all (u times the tokens, 1/u of the heads)."""
+    if s.cp == 1:
+        return 0.0
+    kept = [i for i in layers if ac.mode == "none" or (ac.mode == "selective_layer" and i % ac.every_k)]
+    per_token = 2 * s.elem * s.block.head_dim * (
+        cp_kv_heads(s) * (s.cp // s.cp_ulysses) - s.block.n_kv_heads / s.tp)
+    return per_token * s.mb_tokens * len(kept)
 
 
 def logits_loss_bytes(s: StepShape, has_out: bool) -> float:
