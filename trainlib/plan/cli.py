@@ -8,7 +8,7 @@ from dataclasses import asdict
 
 from trainlib.plan.core import Plan, make_plan
 from trainlib.plan.hardware import GPUS, GiB
-from trainlib.plan.search import suggest
+from trainlib.plan.search import progress_printer, suggest
 
 DESCRIPTION = """Checks a recipe for a cluster and predicts per-GPU memory and step time, without GPUs.
 Builds the job's own model on torch's fake process group, one pipeline rank at a
@@ -69,12 +69,19 @@ def _compute_lines(p: Plan) -> list[str]:
 
 
 def format_suggestions(rows: list[dict], recipe: str | None, world_size: int, gpu: str) -> str:
+    """The rows as a table; each ends with its overrides, to paste after `--recipe ...` of
+    `python -m trainlib.train` (or of this command, for the whole plan)."""
     lines = [f"layouts of {recipe} on {world_size} x {GPUS[gpu].name} that fit, fastest first:",
              f"  {'tp':>3}{'pp':>4}{'cp':>4}{'dp_rep':>7}{'dp_shard':>9}  {'ac':<13}{'peak GiB':>9}{'step s':>9}"
-             f"{'MFU':>7}"]
+             f"{'MFU':>7}  overrides"]
+    moe = any("ep" in r for r in rows)
+    if moe:
+        lines[1] = lines[1].replace(f"{'dp_shard':>9}", f"{'dp_shard':>9}{'ep':>4}")
     for r in rows:
-        lines.append(f"  {r['tp']:>3}{r['pp']:>4}{r['cp']:>4}{r['dp_replicate']:>7}{r['dp_shard']:>9}  "
-                     f"{r['ac']:<13}{r['peak_gib']:>9.1f}{r['step_s']:>9.3f}{r['mfu']:>7.1%}")
+        ep = f"{r.get('ep', 1):>4}" if moe else ""
+        lines.append(f"  {r['tp']:>3}{r['pp']:>4}{r['cp']:>4}{r['dp_replicate']:>7}{r['dp_shard']:>9}{ep}  "
+                     f"{r['ac']:<13}{r['peak_gib']:>9.1f}{r['step_s']:>9.3f}{r['mfu']:>7.1%}  "
+                     + " ".join(f"--{o}" for o in r["set"]))
     if not rows:
         lines.append("  none fits: lower the local batch or sequence length, or add GPUs")
     return "\n".join(lines)
@@ -98,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.world_size < 1:
             raise ConfigError(f"--world-size must be >= 1, got {a.world_size}")
         if a.suggest:
-            rows = suggest(a.recipe, a.world_size, a.gpu, overrides, a.top)
+            rows = suggest(a.recipe, a.world_size, a.gpu, overrides, a.top, progress_printer(sys.stderr))
             print(json.dumps(rows, indent=1) if a.json else format_suggestions(rows, a.recipe, a.world_size, a.gpu))
             return 0
         p = make_plan(a.recipe, a.world_size, a.gpu, overrides)
