@@ -43,6 +43,7 @@ LAYERS = [
     ("job config: composes every component's config; cross-field validation",
      ["trainlib.config", "trainlib.config.*"]),
     ("entry points", ["trainlib", "trainlib.train", "trainlib.plan", "trainlib.plan.*", "trainlib.parity",
+                      "trainlib._parity_worker",
                       "trainlib.convert", "trainlib.checkpoint.bench", "trainlib.report"]),
 ]
 

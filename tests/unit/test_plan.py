@@ -652,7 +652,7 @@ def test_cli_suggest_lists_the_searchs_rows_and_refuses_a_world_below_one(capsys
     rows = suggest(DEBUG, 8, "h100", top=3)
     assert lines[0] == f"layouts of {DEBUG} on 8 x H100 SXM 80GB that fit, fastest first:"
     assert lines[1].split() == ["tp", "pp", "cp", "cp_method", "dp_rep", "dp_shard", "ac", "peak", "GiB", "step",
-                                "s", "MFU"]
+                                "s", "MFU", "overrides"]
     assert [x.split()[:7] for x in lines[2:]] == [
         [str(r[k]) for k in ("tp", "pp", "cp")] + [f"hybrid:{r['cp_ulysses']}" if r["cp_ulysses"] else r["cp_method"]]
         + [str(r[k]) for k in ("dp_replicate", "dp_shard", "ac")] for r in rows]
@@ -696,3 +696,101 @@ def test_cp_methods_are_priced_and_suggested():
     assert {(2, "ulysses", None), (4, "hybrid", 2), (4, "ulysses", None), (2, "allgather", None)} <= methods
     for a, b in zip(rows, rows[1:]):
         assert (a["step_s"], a["cp_gib"]) <= (b["step_s"], b["cp_gib"])
+
+
+# --suggest's rows as the planner at 82a081e gave them (before the search built only layouts whose memory floor fits):
+# (tp, pp, cp, dp_replicate, ac, step_s), the first six, fastest first; the search must not change them.
+FROZEN_SUGGEST = {
+    (): [(1, 1, 1, 1, "none", 3.55816e-05), (1, 1, 2, 1, "none", 3.55816e-05), (1, 1, 4, 1, "none", 3.55816e-05),
+         (1, 1, 1, 1, "selective_op", 4.53382e-05), (1, 1, 2, 1, "selective_op", 4.53382e-05),
+         (1, 1, 4, 1, "selective_op", 4.53382e-05)],
+    ("training.global_batch_size=4",): [
+        (1, 1, 2, 1, "none", 1.11217e-05), (1, 1, 4, 1, "none", 1.11217e-05), (2, 1, 1, 1, "none", 1.32301e-05),
+        (2, 1, 2, 1, "none", 1.32301e-05), (2, 1, 4, 1, "none", 1.32301e-05),
+        (1, 1, 2, 1, "selective_op", 1.35608e-05)],
+}
+
+
+@pytest.mark.parametrize("overrides", list(FROZEN_SUGGEST))
+def test_suggest_gives_the_rows_it_gave_before_it_pruned(overrides):
+    # The CP methods came after (issue 45): the all-gather's rows keep their values and order.
+    rows = [r for r in suggest(DEBUG, 8, "h100", list(overrides), top=1000) if r["cp_method"] == "allgather"][:6]
+    assert [(r["tp"], r["pp"], r["cp"], r["dp_replicate"], r["ac"], r["step_s"]) for r in rows] == [
+        (*key, pytest.approx(step, rel=1e-5)) for *key, step in FROZEN_SUGGEST[overrides]]
+
+
+def test_suggest_builds_only_what_may_fit_and_lists_what_planning_every_layout_lists(monkeypatch):
+    """On a GPU as large as the lowest quarter of the debug layouts' peaks, the search's rows are those of
+    planning every layout it enumerates and keeping what fits; the floor is never above a plan's peak (so it
+    never drops a layout that fits), and the search builds fewer layouts than it lists rows for."""
+    import dataclasses
+
+    from trainlib.plan import core as plan_core
+    from trainlib.plan import hardware
+    from trainlib.plan.search import AC_MODES, layouts
+
+    every = []  # (step, overrides, peak, floor) of every layout the job accepts
+    for degrees, schedule in layouts(8, 2, 4, 8):
+        for ac in AC_MODES:
+            row = [*degrees, f"activation_checkpoint.mode={ac}", *schedule]
+            try:
+                job = plan_core.load_job(DEBUG, 8, "h100", row)
+            except ConfigError:
+                continue
+            p = make_plan(DEBUG, 8, "h100", row, job=job)
+            every.append((p.step_seconds, row, p.max_total_bytes, plan_core.memory_floor(job)))
+            assert every[-1][3] <= p.max_total_bytes, row
+    memory = sorted(peak for _, _, peak, _ in every)[len(every) // 4]
+    monkeypatch.setitem(hardware.GPUS, "h100", dataclasses.replace(hardware.GPUS["h100"], memory_gib=memory / GiB))
+    builds = []
+    real_build = plan_core.build_on_fake_world
+    monkeypatch.setattr(plan_core, "build_on_fake_world", lambda cfg, world: builds.append(1) or real_build(cfg, world))
+    rows = suggest(DEBUG, 8, "h100", top=100)
+    assert sorted(r["set"] for r in rows) == sorted(row for _, row, peak, _ in every if peak <= memory)
+    assert [r["step_s"] for r in rows] == sorted(r["step_s"] for r in rows)
+    assert rows and len(builds) == sum(floor <= memory for *_, floor in every) < len(every)
+
+
+def test_suggest_prints_progress_and_rows_that_load_back_as_overrides(capsys):
+    main(["--recipe", DEBUG, "--world-size", "8", "--suggest", "--top", "4"])
+    captured = capsys.readouterr()
+    assert captured.err.splitlines()[-1].startswith("suggest: ") and " layouts (100%), " in captured.err
+    lines = captured.out.splitlines()
+    assert lines[1].split()[-1] == "overrides" and len(lines) == 6
+    for line in lines[2:]:
+        cells, flags = line.split("  --", 1)[0].split(), ["--" + f for f in line.split("  --", 1)[1].split(" --")]
+        cfg = load_job_config(DEBUG, flags)
+        p = cfg.parallelism
+        assert [str(v) for v in (p.tp, p.pp, p.cp, p.dp_replicate)] == cells[:3] + cells[4:5]
+        assert cfg.activation_checkpoint.mode == cells[6] and p.dp_shard == -1
+
+
+@pytest.mark.parametrize("shared", [0, 1])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_moe_activation_estimate_equals_saved_tensors(dtype, shared):
+    """What an MoE feed-forward keeps for backward (router, dispatch rows, experts, shared experts) against
+    the storages autograd saves; the two things not modelled (per forward, not per token) are asserted as such."""
+    from trainlib.models.moe import MoE, MoEArgs
+    from trainlib.models.spec import BlockShape
+    from trainlib.plan.memory import moe_activation_bytes_per_token
+
+    args, dim, tokens = MoEArgs(n_experts=8, top_k=2, expert_dim=32, n_shared_experts=shared), 64, 128
+    moe = MoE(dim, args).to(dtype)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    skip = {p.untyped_storage().data_ptr() for p in moe.parameters()}
+    seen = {}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        moe(torch.randn(1, tokens, dim, dtype=dtype, requires_grad=True))  # as a block's input, so its gradient flows
+    measured = sum(v for k, v in seen.items() if k not in skip)
+    elem = torch.finfo(dtype).bits // 8
+    shape = BlockShape(dim, 4, 2, 32, (args.top_k + shared) * args.expert_dim, moe=args)
+    est = tokens * moe_activation_bytes_per_token(shape, elem)
+    offsets = 4 * args.n_experts  # the grouped matmul's int32 offsets
+    gate_copy = 4 * dim * args.n_experts if elem < 4 else 0  # the router weight's fp32 copy (for the input gradient)
+    assert measured - est == offsets + gate_copy, (est, measured)

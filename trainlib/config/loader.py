@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import difflib
+import functools
 import math
 import os
 import re
@@ -50,7 +51,10 @@ def closest_key(name: str, candidates: Iterable[str]) -> str | None:
 
 
 # --------------------------------------------------------------------------- schema
+@functools.cache
 def _hints(cls: type) -> dict[str, Any]:
+    # Cached: a schema's hints never change, and resolving them was a quarter of
+    # `python -m trainlib.plan --suggest`, which loads the recipe once per layout.
     # get_type_hints resolves string annotations (``from __future__ import
     # annotations``). An unresolvable hint is a schema bug: fail loudly rather
     # than silently skipping type checks.

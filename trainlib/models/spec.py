@@ -46,13 +46,16 @@ class StageRoots:
 class BlockShape:
     """What the planner prices one block by: the residual width, attention's
     heads (GQA: n_kv_heads) and head width, and the gated MLP's width. A family
-    lists one per block (`ModelSpec.block_shapes`), so blocks may differ."""
+    lists one per block (`ModelSpec.block_shapes`), so blocks may differ. An MoE
+    block (trainlib.models.moe.MoE) gives its MoEArgs as `moe`, and as ffn_dim the
+    hidden width a token activates."""
 
     dim: int
     n_heads: int
     n_kv_heads: int
     head_dim: int
     ffn_dim: int
+    moe: object = None  # trainlib.models.moe.MoEArgs of an MoE block, else None
 
 
 @dataclass(frozen=True)

@@ -110,6 +110,7 @@ class ParallelismConfig:
         """Ranks each all-to-all spans (1: none, all-gather only; cp: Ulysses only)."""
         return {"allgather": 1, "ulysses": self.cp, "hybrid": self.cp_ulysses or 1}[self.cp_method]
 
+
 @dataclass
 class ActivationCheckpointConfig:
     mode: Literal["none", "full", "selective_layer", "selective_op"] = field(default="none", metadata={

@@ -15,6 +15,7 @@ from trainlib.plan.hardware import GPUS, GiB
 
 if TYPE_CHECKING:
     from trainlib.plan.core import Plan
+from trainlib.plan.search import progress_printer, suggest
 
 DESCRIPTION = """Checks a recipe for a cluster and predicts per-GPU memory and step time, without GPUs.
 Builds the job's own model on torch's fake process group, one pipeline rank at a
@@ -82,14 +83,19 @@ def _cp_method(row: dict) -> str:
 
 
 def format_suggestions(rows: list[dict], recipe: str | None, world_size: int, gpu: str) -> str:
+    """The rows as a table; each ends with its overrides, to paste after `--recipe ...` of
+    `python -m trainlib.train` (or of this command, for the whole plan)."""
     lines = [f"layouts of {recipe} on {world_size} x {GPUS[gpu].name} that fit, fastest first:",
              f"  {'tp':>3}{'pp':>4}{'cp':>4} {'cp_method':<10}{'dp_rep':>7}{'dp_shard':>9}  {'ac':<13}"
-             f"{'peak GiB':>9}{'step s':>9}"
-             f"{'MFU':>7}"]
+             f"{'peak GiB':>9}{'step s':>9}{'MFU':>7}  overrides"]
+    moe = any("ep" in r for r in rows)
+    if moe:
+        lines[1] = lines[1].replace(f"{'dp_shard':>9}", f"{'dp_shard':>9}{'ep':>4}")
     for r in rows:
-        lines.append(f"  {r['tp']:>3}{r['pp']:>4}{r['cp']:>4} {_cp_method(r):<10}"
-                     f"{r['dp_replicate']:>7}{r['dp_shard']:>9}  "
-                     f"{r['ac']:<13}{r['peak_gib']:>9.1f}{r['step_s']:>9.3f}{r['mfu']:>7.1%}")
+        ep = f"{r.get('ep', 1):>4}" if moe else ""
+        lines.append(f"  {r['tp']:>3}{r['pp']:>4}{r['cp']:>4} {_cp_method(r):<10}{r['dp_replicate']:>7}"
+                     f"{r['dp_shard']:>9}{ep}  {r['ac']:<13}{r['peak_gib']:>9.1f}{r['step_s']:>9.3f}"
+                     f"{r['mfu']:>7.1%}  " + " ".join(f"--{o}" for o in r["set"]))
     if not rows:
         lines.append("  none fits: lower the local batch or sequence length, or add GPUs")
     return "\n".join(lines)
@@ -116,7 +122,7 @@ def main(argv: list[str] | None = None) -> int:
         from trainlib.plan.search import suggest
 
         if a.suggest:
-            rows = suggest(a.recipe, a.world_size, a.gpu, overrides, a.top)
+            rows = suggest(a.recipe, a.world_size, a.gpu, overrides, a.top, progress_printer(sys.stderr))
             print(json.dumps(rows, indent=1) if a.json else format_suggestions(rows, a.recipe, a.world_size, a.gpu))
             return 0
         p = make_plan(a.recipe, a.world_size, a.gpu, overrides)

@@ -12,7 +12,8 @@ AXIS_OF = {"fsdp_all_gather": "fsdp", "fsdp_reduce_scatter": "fsdp",
            "dp_replicate_all_reduce": "dp_replicate", "tp": "tp", "tp_grad_all_reduce": "tp", "pp_p2p": "pp",
            "cp_kv": "cp", "cp_all_to_all": "cp",
            # hybrid CP: the all-to-all within cp_inner, the K/V all-gather across it
-           "cp_inner_all_to_all": "cp_inner", "cp_outer_kv": "cp_outer"}
+           "cp_inner_all_to_all": "cp_inner", "cp_outer_kv": "cp_outer",
+           "efsdp_all_gather": "efsdp", "efsdp_reduce_scatter": "efsdp", "ep_all_to_all": "ep"}
 
 
 
@@ -22,7 +23,7 @@ def ring_bytes(n: int, payload: float) -> float:
 
 
 def comm_bytes(s: StepShape, *, fsdp_degree: int, dp_replicate: int, grad_accum: int, ranks: list,
-               ac) -> dict[str, float]:
+               ac, efsdp_degree: int = 1) -> dict[str, float]:
     """Bytes sent per rank per step: each line is the busiest pipeline rank's. `ranks`: what each pipeline
     rank holds (`trainlib.plan.core.RankBuild`: its blocks, stages, root parameters, embedding, output).
 
@@ -30,7 +31,9 @@ def comm_bytes(s: StepShape, *, fsdp_degree: int, dp_replicate: int, grad_accum:
     when resharding (the root, embedding, final norm and output, never reshards), per micro-step without
     PP (under PP a stage gathers once for all its micro-batches); it reduce-scatters the gradients in the
     reduce dtype, as often. HSDP all-reduces the gradient shard over dp_replicate. TP: `tp_bytes`. PP:
-    `pp_sends` activations or gradients per micro-batch. CP: `cp_bytes`. Under SP the gradients of the
+    `pp_sends` activations or gradients per micro-batch. CP: `cp_bytes`. Expert parallel: the routed
+    experts' weights are gathered and their gradients reduce-scattered as FSDP's are, over `efsdp_degree`
+    ranks (`efsdp_*`, and their shard in HSDP's all-reduce); tokens move by `ep_bytes`. Under SP the gradients of the
     norm weights, which TP replicates, are pending sums over tp: FSDP's post-backward all-reduces them per
     micro-batch in the compute dtype (from torch 2.15: in the reduce dtype, as often as FSDP reduces),
     `clip_grad_norm_` once per step without FSDP (`tp_grad_all_reduce`)."""
@@ -38,15 +41,22 @@ def comm_bytes(s: StepShape, *, fsdp_degree: int, dp_replicate: int, grad_accum:
     comm: dict[str, float] = {}
     micro_steps = grad_accum if pp == 1 else 1
     # Per pipeline rank, what one tp rank holds of its blocks and of its root, unsharded by FSDP.
-    blocks = [s.block_params * len(r.layers) for r in ranks]
+    # (Expert parallel's experts are FSDP-sharded over efsdp: counted apart.)
+    blocks = [(s.block_params - s.block_expert_params) * len(r.layers) for r in ranks]
     roots = [r.root_params for r in ranks]
     held = max(b + root for b, root in zip(blocks, roots))
+    experts = max(s.block_expert_params * len(r.layers) for r in ranks)
     if s.fsdp and fsdp_degree > 1:
         gathered = max((2 if s.reshard else 1) * b + root for b, root in zip(blocks, roots))
         comm["fsdp_all_gather"] = micro_steps * ring_bytes(fsdp_degree, s.elem * gathered)
         comm["fsdp_reduce_scatter"] = micro_steps * ring_bytes(fsdp_degree, s.reduce_elem * held)
+    if s.fsdp and experts and efsdp_degree > 1:
+        gathered = (2 if s.reshard else 1) * experts
+        comm["efsdp_all_gather"] = micro_steps * ring_bytes(efsdp_degree, s.elem * gathered)
+        comm["efsdp_reduce_scatter"] = micro_steps * ring_bytes(efsdp_degree, s.reduce_elem * experts)
     if dp_replicate > 1:
-        comm["dp_replicate_all_reduce"] = 2 * ring_bytes(dp_replicate, s.reduce_elem * held / fsdp_degree)
+        shard = held / fsdp_degree + experts / efsdp_degree
+        comm["dp_replicate_all_reduce"] = 2 * ring_bytes(dp_replicate, s.reduce_elem * shard)
     mbs_per_step = grad_accum * s.n_microbatches
     if tp > 1:
         comm["tp"] = max(tp_bytes(s, ac, len(r.layers), r.has_embedding, r.has_output) for r in ranks) * mbs_per_step
@@ -70,7 +80,24 @@ def comm_bytes(s: StepShape, *, fsdp_degree: int, dp_replicate: int, grad_accum:
             comm["cp_outer_kv" if hybrid else "cp_kv"] = cp_bytes(s, ac, blocks) * mbs_per_step
         if u > 1:
             comm["cp_inner_all_to_all" if hybrid else "cp_all_to_all"] = ulysses_bytes(s, ac, blocks) * mbs_per_step
+    if s.ep > 1:
+        moe_blocks = max(sum(s.blocks[i].moe is not None for i in r.layers) for r in ranks)
+        comm["ep_all_to_all"] = ep_bytes(s, ac) * moe_blocks * mbs_per_step
     return comm
+
+
+def ep_bytes(s: StepShape, ac) -> float:
+    """Bytes one rank sends over `ep` per MoE block and micro-batch (trainlib.parallel.ep): forward, the
+    dispatch of each token's top_k rows to their experts' ranks and the combine bringing the outputs back;
+    backward, both again for the gradients; a block that AC recomputes dispatches and combines again (any
+    AC mode: selective_op keeps no all-to-all's output). A rank routes its micro-batch's tokens over cp
+    and tp (the MoE splits the sequence over tp); with balanced routing (ep - 1) / ep of its rows leave
+    it. Each forward's dispatch first exchanges the per-expert counts (int64; backward reuses them)."""
+    moe = s.block.moe if s.block.moe is not None else next(b.moe for b in s.blocks if b.moe is not None)
+    rows = s.mb_tokens / s.tp * moe.top_k * s.block.dim * s.elem
+    recompute = {"none": 0, "full": 1, "selective_layer": 1 / ac.every_k, "selective_op": 1}[ac.mode]
+    forwards = 1 + recompute
+    return (2 * (forwards + 1) * rows + forwards * 8 * moe.n_experts) * (s.ep - 1) / s.ep
 
 
 def tp_bytes(s: StepShape, ac, blocks: int, has_embedding: bool, has_output: bool) -> float:

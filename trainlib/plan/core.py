@@ -17,8 +17,8 @@ from torch import nn
 
 from trainlib.plan.comm import comm_bytes, comm_seconds
 from trainlib.plan.hardware import ASSUMPTIONS, GPUS, GiB, axis_intra_node
-from trainlib.plan.memory import (DTYPE_BYTES, StepShape, optimizer_state_dtype, rank_memory, state_bytes,
-                                  weight_copy_bytes)
+from trainlib.plan.memory import (DTYPE_BYTES, StepShape, activation_bytes, logits_loss_bytes, optimizer_state_dtype,
+                                  pp_buffer_bytes, rank_memory, state_bytes, weight_copy_bytes)
 from trainlib.plan.speed import memory_bytes_per_second, step_work, term_seconds
 
 
@@ -87,6 +87,9 @@ class RankBuild:
     # blocks), and of its parameters outside the blocks (embedding, final norm, output).
     block_params: int
     root_params: int
+    # Of block_params, the elements of the routed experts that expert parallel shards (on the ep mesh,
+    # FSDP-sharded over efsdp; 0 without EP): per ep rank, n_experts / ep of them.
+    block_expert_params: int
     tp_replicated: int  # elements of its parameters TP replicates over tp (the norm weights); 0 without TP
     # Elements one tp rank holds of the weights of its linears in blocks, and of its output projection's
     # weight (0 where it has none): what casts to the compute dtype (trainlib.plan.speed).
@@ -113,6 +116,10 @@ class Build:
     @property
     def block_params(self) -> int:
         return max(r.block_params for r in self.ranks)  # a first or last stage may hold no block
+
+    @property
+    def block_expert_params(self) -> int:
+        return max(r.block_expert_params for r in self.ranks)
 
 
 _BUILT: dict = {}  # build key -> Build; --suggest varies only AC on top of a layout
@@ -174,7 +181,8 @@ def read_rank_build(cfg, dims, built) -> tuple[RankBuild, dict]:
         n_microbatches=pipe.n_microbatches if pipe else 1,
         groups={**{a: dims.rank_groups(a) for a in dims.degrees()}, "fsdp": dims.rank_groups("dp_shard_cp"),
                 **({a: dims.rank_groups(a) for a in ("cp_inner", "cp_outer")}
-                   if 1 < dims.cp_ulysses < dims.cp else {})},
+                   if 1 < dims.cp_ulysses < dims.cp else {}),
+                **({"efsdp": dims.rank_groups("efsdp")} if dims.ep_enabled else {})},
         autocast=built.autocast_dtype is not None,
         weight_copies=getattr(built, "weight_copies", None) is not None)
     linears = [(name, m) for part in parts for name, m in part.named_modules() if isinstance(m, nn.Linear)]
@@ -185,9 +193,11 @@ def read_rank_build(cfg, dims, built) -> tuple[RankBuild, dict]:
                            any(getattr(part, name) is not None for part in parts for name in roots.last),
                            {**state_bytes(parts, optimizer_state_dtype(cfg)),
                             "weight_copies": weight_copy_bytes(parts)},
-                           sum(_per_tp_rank(p) for p in blocks[0].parameters()) if blocks else 0,
+                           max((sum(_per_tp_rank(p) for p in b.parameters()) for b in blocks), default=0),
                            sum(_per_tp_rank(p) for part in parts for name, p in part.named_parameters()
                                if not name.startswith("layers.")),
+                           max((sum(_per_tp_rank(p) for p in b.parameters() if _on_ep(p)) for b in blocks),
+                               default=0),
                            sum(p.numel() for part in parts for p in part.parameters() if _tp_replicated(p)),
                            sum(_per_tp_rank(m.weight) for name, m in linears if name.startswith("layers.")),
                            sum(_per_tp_rank(m.weight) for name, m in linears if name == spec.output_module),
@@ -216,12 +226,18 @@ def _float8_linears(parts) -> tuple[dict[str, int], dict[str, float]]:
     return dict(counts), sizes
 
 
-def _tp_placement(p):
-    """`p`'s placement on the tp mesh dimension, or None where TP does not hold it."""
+def _tp_placement(p, axis: str = "tp"):
+    """`p`'s placement on the `axis` mesh dimension, or None where that axis does not hold it."""
     from torch.distributed.tensor import DTensor
 
     names = (p.device_mesh.mesh_dim_names or ()) if isinstance(p, DTensor) else ()
-    return p.placements[names.index("tp")] if "tp" in names else None
+    return p.placements[names.index(axis)] if axis in names else None
+
+
+def _on_ep(p) -> bool:
+    """Expert parallel shards `p` (a routed expert's weight: trainlib.parallel.ep)."""
+    placement = _tp_placement(p, "ep")
+    return placement is not None and placement.is_shard()
 
 
 def _tp_shard(p) -> tuple[int, int] | None:
@@ -234,9 +250,11 @@ def _tp_shard(p) -> tuple[int, int] | None:
 
 def _per_tp_rank(p) -> int:
     """Elements of parameter `p` one tp rank holds before FSDP shards it: a dimension TP shards is
-    divided by tp; TP's replicated parameters (the norm weights) are whole on every tp rank."""
+    divided by tp; TP's replicated parameters (the norm weights) are whole on every tp rank. A routed
+    expert's weight, which expert parallel shards, is divided by ep."""
     shard = _tp_shard(p)
-    return p.numel() if shard is None else p.numel() // shard[1]
+    n = p.numel() if shard is None else p.numel() // shard[1]
+    return n // p.device_mesh.size(p.device_mesh.mesh_dim_names.index("ep")) if _on_ep(p) else n
 
 
 def _tp_replicated(p) -> bool:
@@ -267,14 +285,17 @@ def _ac_label(ac) -> str:
     return ac.mode
 
 
+EXPOSED = ("tp", "ep_all_to_all")  # traffic lines compute waits for (step_time)
+
+
 def step_time(terms: dict[str, float], bubble: float, comm_s: dict[str, float]) -> tuple[float, float]:
     """(compute seconds, step seconds) from the seconds of each kind of work
     (`speed.term_seconds`). FSDP, HSDP, PP and CP traffic overlaps compute
     (prefetch, async p2p); TP's collectives sit between dependent matmuls and
-    are exposed."""
+    are exposed, as is expert parallel's all-to-all (the experts wait for their rows)."""
     compute_s = sum(terms.values())
-    overlapped = sum(v for k, v in comm_s.items() if k != "tp")
-    return compute_s, max(compute_s * (1 + bubble), overlapped) + comm_s.get("tp", 0.0)
+    overlapped = sum(v for k, v in comm_s.items() if k not in EXPOSED)
+    return compute_s, max(compute_s * (1 + bubble), overlapped) + sum(comm_s.get(k, 0.0) for k in EXPOSED)
 
 
 def float8_saved_flops_per_token(block_ops: list[tuple[str, float, bool]], n_layers: int, head_flops: float,
@@ -325,7 +346,7 @@ def float8_cuts(cfg, gpu: str, sizes: dict[str, float], assumptions: dict) -> di
 
 
 def step_shape(cfg, dims, args, n_stages: int, stages_per_rank: int, n_microbatches: int, fsdp: bool,
-               block_params: int, local_bs: int, device_type: str) -> StepShape:
+               block_params: int, local_bs: int, device_type: str, block_expert_params: int = 0) -> StepShape:
     """The memory and communication formulas' view of one rank's step."""
     from trainlib.build import loss_chunk_tokens
     from trainlib.models.registry import get_model_spec
@@ -340,7 +361,8 @@ def step_shape(cfg, dims, args, n_stages: int, stages_per_rank: int, n_microbatc
                      schedule=par.pp_schedule, n_stages=n_stages, stages_per_rank=stages_per_rank,
                      n_microbatches=n_microbatches, mb_tokens=local_bs // n_microbatches * t.seq_len / dims.cp,
                      fsdp=fsdp, reshard=reshard_after_forward(par.fsdp_reshard_after_forward, dims.pp_enabled),
-                     block_params=block_params, cp_ulysses=dims.cp_ulysses,
+                     block_params=block_params, cp_ulysses=dims.cp_ulysses, ep=dims.ep,
+                     block_expert_params=block_expert_params,
                      loss_chunk_tokens=loss_chunk_tokens(cfg, args.vocab_size, dims.tp, device_type)
                      if cfg.loss.chunked else None)
 
@@ -360,36 +382,93 @@ def stage_memory(cfg, s: StepShape, r: RankBuild, grad_accum: int, assumptions: 
                      sum(v for k, v in mem.items() if k not in not_live), not_live)
 
 
-def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides: list[str] | None = None,
-              assumptions: dict | None = None) -> Plan:
-    """Validate `recipe` (with `section.key=value` overrides) for `world_size`
-    ranks and predict per-rank memory and step time. Raises ConfigError with
-    the job's own one-line message for a bad layout."""
+@dataclass
+class Job:
+    """A recipe loaded for a cluster and checked as the job checks it: what every plan starts from."""
+
+    recipe: str | None
+    world_size: int
+    gpu: str
+    assumptions: dict
+    cfg: object  # the JobConfig
+    dims: object  # its ParallelDims
+    args: object  # the model's args
+    local_bs: int
+    grad_accum: int
+
+
+def load_job(recipe: str | None, world_size: int, gpu: str = "h100", overrides: list[str] | None = None,
+             assumptions: dict | None = None) -> Job:
+    """Load `recipe` with `section.key=value` overrides for `world_size` ranks and run the job's own
+    checks; raises ConfigError with the job's one-line message for a bad layout."""
     from trainlib.config import ConfigError, load_job_config
     from trainlib.config.validate import resolve_local_batch_size, validate_job
-    from trainlib.models.registry import get_model_spec, model_args
+    from trainlib.models.registry import model_args
     from trainlib.parallel import ParallelDims
-    from trainlib.parallel.ac import recomputed_flops_per_token
 
     if gpu not in GPUS:
         raise ConfigError(f"--gpu '{gpu}' is unknown; valid: {', '.join(GPUS)}")
-    hw, A = GPUS[gpu], {**ASSUMPTIONS, **(assumptions or {})}
     cfg = load_job_config(recipe, [o if o.startswith("--") else f"--{o}" for o in (overrides or [])])
-    t, par, ac = cfg.training, cfg.parallelism, cfg.activation_checkpoint
-    dims = ParallelDims.from_config(par, world_size)
+    dims = ParallelDims.from_config(cfg.parallelism, world_size)
     args = model_args(cfg.model)
     validate_job(cfg, dims, args, _tokenizer_vocab(cfg, args))
     local_bs, grad_accum = resolve_local_batch_size(cfg, dims)
+    return Job(recipe, world_size, gpu, {**ASSUMPTIONS, **(assumptions or {})}, cfg, dims, args, local_bs,
+               grad_accum)
+
+
+def memory_floor(job: Job) -> float:
+    """A lower bound of the plan's peak (`Plan.max_total_bytes`) without building the model: what the
+    busiest pipeline rank holds at the start of a backward that is not state (activations, the
+    recompute, the loss's buffers, the pipeline's buffers), plus the allocator's share of it. The
+    pipeline split is the job's own (trainlib.parallel.pp); parameters, gradients, optimizer state and
+    FSDP's gathered copies count as 0. --suggest builds only the layouts whose floor fits
+    (tests/unit/test_plan.py checks the floor against whole plans)."""
+    from trainlib.parallel import pp as pp_lib
+
+    cfg, dims, par = job.cfg, job.dims, job.cfg.parallelism
+    per_rank, n_stages, n_mb = 1, 1, 1
+    if dims.pp_enabled:
+        per_rank = pp_lib.stages_per_rank(par.pp_schedule, par.pp_stages_per_rank)
+        n_stages = dims.pp * per_rank
+        n_mb = par.pp_microbatches or n_stages
+    counts = pp_lib.layers_per_stage(job.args.n_layers, n_stages, par.pp_layers_per_stage)
+    starts = [sum(counts[:i]) for i in range(n_stages)]
+    s = step_shape(cfg, dims, job.args, n_stages, per_rank, n_mb, False, 0, job.local_bs, "cuda")
+    floor = 0.0
+    for pp_rank in range(dims.pp):
+        ids = pp_lib.stage_ids(pp_rank, dims.pp, per_rank, par.pp_schedule) if dims.pp_enabled else [0]
+        layers = [i for sid in ids for i in range(starts[sid], starts[sid] + counts[sid])]
+        has_emb, has_out = 0 in ids, n_stages - 1 in ids
+        act, recompute = activation_bytes(s, cfg.activation_checkpoint, pp_rank, layers, has_emb, has_out)
+        floor = max(floor, act + recompute + logits_loss_bytes(s, has_out) + pp_buffer_bytes(s, ids))
+    return floor * (1 + job.assumptions["allocator_overhead"])
+
+
+def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides: list[str] | None = None,
+              assumptions: dict | None = None, job: Job | None = None) -> Plan:
+    """Validate `recipe` (with `section.key=value` overrides) for `world_size`
+    ranks and predict per-rank memory and step time. Raises ConfigError with
+    the job's one-line message for a bad layout. `job`: what `load_job` gave
+    for these arguments, where the caller has it already."""
+    from trainlib.models.registry import get_model_spec
+    from trainlib.parallel.ac import recomputed_flops_per_token
+
+    job = job or load_job(recipe, world_size, gpu, overrides, assumptions)
+    hw, A = GPUS[gpu], job.assumptions
+    cfg, dims, args, local_bs, grad_accum = job.cfg, job.dims, job.args, job.local_bs, job.grad_accum
+    t, ac = cfg.training, cfg.activation_checkpoint
 
     b = build_on_fake_world(cfg, world_size)
     mb = local_bs // b.n_microbatches
     spec = get_model_spec(cfg.model.name)
     s = step_shape(cfg, dims, args, b.n_stages, b.stages_per_rank, b.n_microbatches, b.fsdp, b.block_params,
-                   local_bs, "cuda")  # the loss's chunk as it would be resolved on the GPUs planned for
+                   local_bs, "cuda", b.block_expert_params)  # the loss's chunk as it would be resolved on the GPUs planned for
     stages = [stage_memory(cfg, s, r, grad_accum, A) for r in b.ranks]
 
     intra = axis_intra_node(b.groups, A["gpus_per_node"])
     comm = comm_bytes(s, fsdp_degree=len(b.groups["fsdp"][0]), dp_replicate=dims.dp_replicate,
+                      efsdp_degree=len(b.groups["efsdp"][0]) if "efsdp" in b.groups else 1,
                       grad_accum=grad_accum, ranks=b.ranks, ac=ac)
     comm_s = comm_seconds(comm, intra, hw, A)
     tokens_step = t.global_batch_size * t.seq_len
@@ -437,9 +516,8 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
         step_seconds=step_s, tokens_per_second_per_gpu=tokens_step / world_size / step_s,
         mfu=useful / step_s / (hw.bf16_tflops * 1e12),
         max_total_bytes=worst.total_bytes, fits=fits, assumptions={**A, "gpu": asdict(hw)}, warnings=warnings,
-        cp_method=par.cp_method, cp_ulysses=par.cp_ulysses,
+        cp_method=cfg.parallelism.cp_method, cp_ulysses=cfg.parallelism.cp_ulysses,
     )
-
 
 
 # ---- the job's own check ---------------------------------------------------------------------------------------------
@@ -451,7 +529,8 @@ def job_peak(cfg, dims, built, local_bs: int, grad_accum: int, device_type: str)
 
     r, facts = read_rank_build(cfg, dims, built)
     s = step_shape(cfg, dims, model_args(cfg.model), facts["n_stages"], facts["stages_per_rank"],
-                   facts["n_microbatches"], facts["fsdp"], r.block_params, local_bs, device_type)
+                   facts["n_microbatches"], facts["fsdp"], r.block_params, local_bs, device_type,
+                   r.block_expert_params)
     return stage_memory(cfg, s, r, grad_accum, ASSUMPTIONS)
 
 

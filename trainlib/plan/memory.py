@@ -85,7 +85,31 @@ def block_activation_bytes_per_token(shape, *, tp: int, sp: bool, elem: int, mod
         rs = 2 * elem * d / ts if (sp and tp > 1) else 0
         return block_in + elem * sum(mm) + sdpa + rs
     norms = 2 * (8 * d + 4) / ts
+    if getattr(shape, "moe", None) is not None:  # (a dense family's args serve as its shape) the MoE routes this rank's 1/tp of the tokens (trainlib.parallel.tp.moe_style)
+        return norms + elem * d + elem * (dq + 2 * dkv) + sdpa + moe_activation_bytes_per_token(shape, elem) / tp
     return norms + 2 * elem * d + elem * (dq + 2 * dkv) + sdpa + 4 * elem * f / tp
+
+
+def moe_activation_bytes_per_token(shape, elem: int) -> float:
+    """Bytes an MoE feed-forward (trainlib.models.moe.MoE) keeps for backward per token it routes
+    (measured with saved-tensor hooks, docs/planner.md), k = top_k assignments per token:
+      input        the norm's output where a matmul keeps it (fp32, or for the shared experts),
+                   and the router's fp32 copy of it under a lower compute dtype
+      router       fp32 scores [E], the chosen weights and their sum, the chosen experts (int64)
+      dispatch     per assignment: its order and token (int64), its weight, its row (the grouped
+                   matmul's input: what the all-to-all delivers under expert parallel) and two fp32
+                   copies of its output row (the weighting's inputs and output)
+      experts      per assignment the SwiGLU's four [expert_dim] tensors, as a dense MLP's
+      shared       the shared experts' SwiGLU, as a dense MLP of n_shared_experts * expert_dim
+    Under expert parallel the rows are kept on their experts' ranks: the same bytes per rank where
+    the routing is balanced. Not counted, as the norms' weights are not: the grouped matmul's offsets
+    (E int32 per forward) and, below fp32, the router weight's fp32 copy."""
+    m, d = shape.moe, shape.dim
+    k, shared = m.top_k, m.n_shared_experts * m.expert_dim
+    inputs = (elem * d if elem == 4 or shared else 0) + (4 * d if elem < 4 else 0)
+    router = 4 * m.n_experts + 4 + 4 * k + 8 * k
+    dispatch = k * (16 + 4 + elem * d + 2 * 4 * d)
+    return inputs + router + dispatch + 4 * elem * k * m.expert_dim + 4 * elem * shared
 
 
 def layer_bytes(blocks, layer_ids: list[int], tokens: float, *, tp, sp, elem, ac) -> tuple[float, float]:
@@ -166,6 +190,8 @@ class StepShape:
     block_params: int  # elements of one block one tp rank holds, unsharded by FSDP (norm weights whole)
     loss_chunk_tokens: int | None = None  # loss.chunk_tokens under loss.chunked, else None (whole logits)
     cp_ulysses: int = 1  # ranks of CP's all-to-all (parallelism.cp_method: allgather 1, ulysses cp, hybrid)
+    ep: int = 1  # expert parallel's degree
+    block_expert_params: int = 0  # of block_params, the routed experts' elements one ep rank holds (EP on)
 
     @property
     def block(self):

@@ -139,11 +139,12 @@ def block_forward_flops(args: ModelArgs, seq_len: int) -> list[tuple[str, float,
 def block_shapes(args: ModelArgs) -> list[BlockShape]:
     """Every block's shape, for the planner: ffn_dim is the dense blocks' MLP width, and for an MoE block
     the hidden width a token activates, top_k * expert_dim + n_shared_experts * expert_dim (what its
-    activations scale with; its parameters are n_experts / top_k times more)."""
+    activations scale with; its parameters are n_experts / top_k times more), and its MoEArgs as moe."""
     m = args.moe
     active = (m.top_k + m.n_shared_experts) * m.expert_dim
-    return [BlockShape(args.dim, args.n_heads, args.n_kv_heads, args.head_dim,
-                       args.ffn_dim if i < args.n_dense_layers else active) for i in range(args.n_layers)]
+    return [BlockShape(args.dim, args.n_heads, args.n_kv_heads, args.head_dim, args.ffn_dim)
+            if i < args.n_dense_layers else BlockShape(args.dim, args.n_heads, args.n_kv_heads, args.head_dim,
+                                                       active, moe=m) for i in range(args.n_layers)]
 
 
 def active_params_per_block(args: ModelArgs, index: int) -> int:
