@@ -177,7 +177,7 @@ def _cp_bytes_are_planned(rank, world):
         blocks = built.model_args.n_layers
         assert sent.counts == {"all_gather": blocks + recomputed, "reduce_scatter": blocks}, (mode, sent.counts)
         block = get_model_spec(cfg.model.name).block_shapes(built.model_args)[0]
-        shape = SimpleNamespace(block=block, tp=1, cp=2, elem=4, mb_tokens=mb["input"].numel())
+        shape = SimpleNamespace(block=block, tp=1, cp=2, cp_ulysses=1, elem=4, mb_tokens=mb["input"].numel())
         assert sent.bytes == cp_bytes(shape, cfg.activation_checkpoint, blocks), (mode, sent.bytes)
 
 

@@ -316,7 +316,7 @@ def test_the_flight_recorder_gives_each_groups_last_collective(tmp_path):
     """In fresh processes: the recorder holds every collective a process entered, its earlier groups' too."""
     from tests.helpers import spawn
 
-    spawn(_flight_recorder_of_three_all_reduces, 2, str(tmp_path))
+    spawn(_flight_recorder_of_three_all_reduces, 2, str(tmp_path), fresh=True)  # the recorder is per process
 
 
 def test_the_last_collective_leaves_out_point_to_point_transfers_and_groups_this_rank_is_not_in(tmp_path, monkeypatch,

@@ -110,11 +110,15 @@ def _show(value: Any, from_str: bool) -> str:
     return text if len(text) <= 80 else text[:77] + "..."
 
 
+class _NotFinite(ConfigError):
+    """A number of the right type that no key accepts: final, whatever other arm a union has."""
+
+
 def _finite(value: Any, key: str, src: str) -> Any:
     """No setting of any section means anything by inf or nan (TOML and the CLI both spell them), and
     each passes comparisons such as ``lr > 0`` or fails ``weight_decay < 0`` without a word."""
     if isinstance(value, float) and not math.isfinite(value):
-        raise ConfigError(f"{key}: must be a finite number, got {value} (from {src}); "
+        raise _NotFinite(f"{key}: must be a finite number, got {value} (from {src}); "
                           f"fix the value in the recipe or override")
     return value
 
@@ -138,6 +142,8 @@ def _coerce(value: Any, tp: Any, key: str, src: str, from_str: bool) -> Any:
         for arm in arms:
             try:
                 return _coerce(value, arm, key, src, from_str)
+            except _NotFinite:
+                raise
             except ConfigError:
                 continue
         raise bad()

@@ -8,6 +8,7 @@ One line per family here and one in registry.py; tests/unit/test_registry.py che
 from __future__ import annotations
 
 import difflib
+import sys
 from types import ModuleType
 from typing import Any
 
@@ -27,18 +28,29 @@ FAMILIES: dict[str, ModuleType] = {family.NAME: family for family in (
 DEFAULT_MODEL = llama3.NAME
 
 
+def _registered() -> dict:
+    """Families added to the registry at run time (registry.MODELS[name] = spec, by a user's code or a
+    test): whoever adds one has imported the registry, so its absence costs no torch import."""
+    registry = sys.modules.get("trainlib.models.registry")
+    return {k: v for k, v in registry.MODELS.items() if k not in FAMILIES} if registry is not None else {}
+
+
 def check_name(name: str) -> None:
     """An unknown model.name is one line naming the closest one."""
-    if name not in FAMILIES:
-        close = difflib.get_close_matches(name, FAMILIES, n=1)
+    known = [*FAMILIES, *_registered()]
+    if name not in known:
+        close = difflib.get_close_matches(name, known, n=1)
         hint = f"; did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"unknown model.name '{name}'{hint} (valid: {', '.join(FAMILIES)})")
+        raise ConfigError(f"unknown model.name '{name}'{hint} (valid: {', '.join(known)})")
 
 
 def model_args(model_cfg) -> Any:
     """The model shape a [model] recipe section (ModelConfig) asks for: its
     family's flavor with the n_layers / vocab_size overrides applied."""
     check_name(model_cfg.name)
+    if model_cfg.name not in FAMILIES:
+        spec = _registered()[model_cfg.name]
+        return spec.get_args(model_cfg.flavor, n_layers=model_cfg.n_layers, vocab_size=model_cfg.vocab_size)
     family = FAMILIES[model_cfg.name]
     if model_cfg.flavor not in family.FLAVORS:
         owners = [other.NAME for other in FAMILIES.values() if model_cfg.flavor in other.FLAVORS]

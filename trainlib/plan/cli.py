@@ -15,7 +15,6 @@ from trainlib.plan.hardware import GPUS, GiB
 
 if TYPE_CHECKING:
     from trainlib.plan.core import Plan
-from trainlib.plan.search import progress_printer, suggest
 
 DESCRIPTION = """Checks a recipe for a cluster and predicts per-GPU memory and step time, without GPUs.
 Builds the job's own model on torch's fake process group, one pipeline rank at a
@@ -119,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.world_size < 1:
             raise ConfigError(f"--world-size must be >= 1, got {a.world_size}")
         from trainlib.plan.core import make_plan
-        from trainlib.plan.search import suggest
+        from trainlib.plan.search import progress_printer, suggest
 
         if a.suggest:
             rows = suggest(a.recipe, a.world_size, a.gpu, overrides, a.top, progress_printer(sys.stderr))
