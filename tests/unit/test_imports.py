@@ -31,7 +31,7 @@ LAYERS = [
       "trainlib.optim", "trainlib.adamw", "trainlib.precision", "trainlib.float8", "trainlib.data", "trainlib.data.*", "trainlib.models",
       "trainlib.params", "trainlib.models.layers", "trainlib.models.moe", "trainlib.models.spec", "trainlib.models.*.model", "trainlib.models.*.state_dict_adapter",
       # the torch-free recipe sections and model shapes (the command line is read before torch is imported)
-      "trainlib.sections", "trainlib.models.config", "trainlib.models.*.args"]),
+      "trainlib.sections", "trainlib.models.config", "trainlib.models.lazy", "trainlib.models.*.args"]),
     ("parallel: the mesh, one module per axis, per-model parallelization",
      ["trainlib.parallel", "trainlib.parallel.*", "trainlib.models.*", "trainlib.step", "trainlib.build",
       "trainlib.validation",

@@ -8,24 +8,13 @@ against the flavors before torch is imported, trainlib.models.flavors).
 
 from __future__ import annotations
 
-import importlib
-
+from trainlib.models.lazy import lazy_attributes
 from trainlib.models.qwen3_moe.args import FLAVORS, NAME, ModelArgs, get_model_args
 
 # name -> the submodule that defines it (None: the name is a submodule)
 _MODULE_OF = {"MoEBlock": "model", "Transformer": "model", "block_forward_flops": "model", "block_shapes": "model", "flops_per_token": "model", "parallelize_qwen3_moe": "parallelize", "validate_degrees": "parallelize", "state_dict_adapter": None}
 
 __all__ = ['FLAVORS', 'ModelArgs', 'MoEBlock', 'SPEC', 'Transformer', 'block_forward_flops', 'block_shapes', 'flops_per_token', 'get_model_args', 'parallelize_qwen3_moe', 'state_dict_adapter', 'validate_degrees']
-
-
-def __getattr__(name: str):
-    if name == "SPEC":
-        globals()["SPEC"] = spec = _spec()
-        return spec
-    if name not in _MODULE_OF:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    module = importlib.import_module(f"{__name__}.{_MODULE_OF[name] or name}")
-    return module if _MODULE_OF[name] is None else getattr(module, name)
 
 
 def _spec():
@@ -49,3 +38,6 @@ def _spec():
         block_shapes=block_shapes,
         state_dict_adapter=state_dict_adapter,
     )
+
+
+__getattr__ = lazy_attributes(__name__, _MODULE_OF, _spec)
