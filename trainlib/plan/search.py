@@ -90,11 +90,8 @@ def suggest(recipe: str | None, world_size: int, gpu: str = "h100", overrides: l
                 continue  # cannot fit whatever the build holds: not built
             p = make_plan(recipe, world_size, gpu, overrides + row, job=job)
             if p.fits:
-                method = next((o.split("=")[1] for o in degrees if o.startswith("parallelism.cp_method=")),
-                              "allgather")
-                inner = next((int(o.split("=")[1]) for o in degrees if o.startswith("parallelism.cp_ulysses=")), None)
                 results.append({"tp": p.degrees["tp"], "pp": p.degrees["pp"], "cp": p.degrees["cp"],
-                                "cp_method": method, "cp_ulysses": inner,
+                                "cp_method": p.cp_method, "cp_ulysses": p.cp_ulysses,
                                 "dp_replicate": p.degrees["dp_replicate"], "dp_shard": p.degrees["dp_shard"],
                                 **({"ep": p.degrees["ep"]} if "ep" in p.degrees else {}), "ac": ac,
                                 "peak_gib": p.max_total_bytes / GiB, "step_s": p.step_seconds, "mfu": p.mfu,
