@@ -751,6 +751,47 @@ def test_suggest_builds_only_what_may_fit_and_lists_what_planning_every_layout_l
     assert rows and len(builds) == sum(floor <= memory for *_, floor in every) < len(every)
 
 
+# Each a layout where a pipeline rank's holdings differ from another's, or the probe's roots or blocks
+# could be miscounted: PP with uneven and explicit splits, interleaved and V schedules, tied embeddings,
+# dense and MoE blocks with EP, CP methods, float8, the one-rank autocast copies, the chunked loss.
+PROBED = [
+    ("debug.toml", 4, ["parallelism.pp=2", "parallelism.tp=2"]),
+    ("debug.toml", 4, ["parallelism.pp=2", "parallelism.pp_schedule=Interleaved1F1B"]),
+    ("debug.toml", 8, ["parallelism.pp=2", "parallelism.pp_schedule=ZBVZeroBubble", "parallelism.cp=2"]),
+    ("debug.toml", 4, ["parallelism.pp=2", "parallelism.pp_layers_per_stage=[3,1]"]),
+    ("debug.toml", 8, ["parallelism.cp=4", "parallelism.cp_method=hybrid", "parallelism.cp_ulysses=2"]),
+    ("debug.toml", 8, ["parallelism.dp_replicate=2", "parallelism.tp=2", "float8.enable=true", "float8.emulate=true",
+                       "float8.min_size=0"]),
+    ("debug.toml", 1, ["training.mixed_precision_impl=autocast", "training.mixed_precision_weight_copy=true"]),
+    ("debug.toml", 4, ["loss.chunked=false", "parallelism.tp=2"]),
+    ("debug_qwen3.toml", 4, ["model.flavor=debug_tied", "parallelism.tp=2"]),
+    ("debug_moe.toml", 8, ["parallelism.ep=2", "parallelism.pp=2"]),
+    ("debug_moe.toml", 8, ["parallelism.ep=4", "parallelism.tp=2"]),
+]
+
+
+def test_a_probe_build_holds_what_the_job_builds_on_every_pipeline_rank(monkeypatch):
+    """build_on_fake_world composes each pipeline rank from one build of a model with a block of each
+    structure (a probe); it must equal building the job itself, once per pipeline rank, field by field."""
+    from dataclasses import asdict
+
+    from trainlib.plan import core
+    from trainlib.plan.core import build_on_fake_world, load_job
+
+    exact = core._exact_build
+    for recipe, world, overrides in PROBED:
+        job = load_job(str(RECIPES / recipe), world, "h100", overrides)
+        monkeypatch.setattr(core, "_exact_build", lambda *a: pytest.fail("the probe was not used"))
+        probed = asdict(build_on_fake_world(job.cfg, world))
+        monkeypatch.setattr(core, "_exact_build", exact)
+        assert probed == asdict(build_on_fake_world(job.cfg, world, exact=True)), (recipe, overrides)
+    # A float8 filter naming blocks by index tells the probe's renumbered blocks apart wrongly: the job is built.
+    job = load_job(DEBUG, 4, "h100", ["float8.enable=true", "float8.emulate=true", "float8.min_size=0",
+                                      "float8.filter_fqns=['layers.1.*', 'output']"])
+    built = build_on_fake_world(job.cfg, 4)
+    assert [r.float8_linears for r in built.ranks] == [{"wq": 3, "wk": 3, "wv": 3, "wo": 3, "w1": 3, "w2": 3, "w3": 3}]
+
+
 def test_suggest_prints_progress_and_rows_that_load_back_as_overrides(capsys):
     main(["--recipe", DEBUG, "--world-size", "8", "--suggest", "--top", "4"])
     captured = capsys.readouterr()

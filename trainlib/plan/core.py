@@ -9,7 +9,7 @@ FSDP, ...) is what the planner measures, with nothing re-implemented here.
 from __future__ import annotations
 
 from collections import Counter
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 import torch
 import torch.distributed as dist
@@ -18,7 +18,7 @@ from torch import nn
 from trainlib.plan.comm import comm_bytes, comm_seconds
 from trainlib.plan.hardware import ASSUMPTIONS, GPUS, GiB, axis_intra_node
 from trainlib.plan.memory import (DTYPE_BYTES, StepShape, activation_bytes, logits_loss_bytes, optimizer_state_dtype,
-                                  pp_buffer_bytes, rank_memory, state_bytes, weight_copy_bytes)
+                                  params_state_bytes, pp_buffer_bytes, rank_memory, weight_copy_bytes)
 from trainlib.plan.speed import memory_bytes_per_second, step_work, term_seconds
 
 
@@ -123,31 +123,60 @@ class Build:
 
 
 _BUILT: dict = {}  # build key -> Build; --suggest varies only AC on top of a layout
+_PROBES: dict = {}  # probe key -> _Probe
+_SHAPES: dict = {}  # model section -> _model_shapes
+# Settings that change how attention communicates, not what any rank holds: layouts differing only in
+# them share a probe (tests/unit/test_plan.py checks the probe against the exact build under each).
+_COMM_ONLY = ("cp_method", "cp_ulysses")
 
 
-def build_on_fake_world(cfg, world_size: int) -> Build:
-    """Build the job's model parts for every pipeline rank, as the first global
-    rank of each pipeline coordinate, on torch's fake process group (no
+def build_on_fake_world(cfg, world_size: int, exact: bool = False) -> Build:
+    """What every pipeline rank of the job holds, as its first global rank,
+    from builds of the job's own model parts on torch's fake process group (no
     communication happens). AC and compile wrap modules without adding
     parameters, so a cached build serves any AC mode and either compile
     setting. The key is every other section: a hand-picked list of the fields
-    the build reads once missed training.mixed_precision_impl."""
-    key = (world_size, *(repr(getattr(cfg, f.name)) for f in fields(cfg)
-                         if f.name not in ("activation_checkpoint", "compile")))
+    the build reads once missed training.mixed_precision_impl.
+
+    By default the job is built once, without its pipeline split, on the
+    world of one pipeline coordinate, with one block of each structure the
+    model has (a probe, `_probe_build`): each pipeline rank's holdings are
+    composed from the probe's root modules and blocks, as whatever the job
+    holds is a sum over its modules. `exact` (and a float8 filter that names
+    blocks by index, which the probe renumbers) builds the job itself, once
+    per pipeline rank, as the job does."""
+    key = (world_size, exact, *(repr(getattr(cfg, f.name)) for f in fields(cfg)
+                                if f.name not in ("activation_checkpoint", "compile")))
     if key not in _BUILT:
-        rank0, facts, pp_first_ranks = _build_rank(cfg, world_size, rank=0)
-        ranks = [rank0] + [_build_rank(cfg, world_size, rank)[0] for rank in pp_first_ranks[1:]]
-        if len(_BUILT) > 64:
+        if len(_BUILT) > 256:
             _BUILT.clear()
-        _BUILT[key] = Build(ranks=ranks, **facts)
+        _BUILT[key] = (None if exact else _probe_build(cfg, world_size)) or _exact_build(cfg, world_size)
     return _BUILT[key]
 
 
-def _build_rank(cfg, world_size: int, rank: int) -> tuple[RankBuild, dict, list[int]]:
-    """(this rank's RankBuild, the layout facts, the first global rank of every pipeline coordinate)."""
+def _exact_build(cfg, world_size: int) -> Build:
+    def first_rank(dims):
+        built = build_model_parts_on(cfg, dims)
+        return (read_rank_build(cfg, dims, built), _facts(cfg, dims, built),
+                [int(r) for r in dims.mesh("pp").mesh.tolist()])
+
+    rank0, facts, pp_first_ranks = _on_fake_world(cfg.parallelism, world_size, 0, first_rank)
+    ranks = [rank0] + [_on_fake_world(cfg.parallelism, world_size, rank,
+                                      lambda dims: read_rank_build(cfg, dims, build_model_parts_on(cfg, dims)))
+                       for rank in pp_first_ranks[1:]]
+    return Build(ranks=ranks, **facts)
+
+
+def build_model_parts_on(cfg, dims):
+    from trainlib.build import build_model_parts
+
+    return build_model_parts(cfg, dims, torch.device("cpu"))
+
+
+def _on_fake_world(parallelism, world_size: int, rank: int, fn):
+    """fn(ParallelDims with its mesh built) as `rank` of a fake process group of `world_size`."""
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
-    from trainlib.build import build_model_parts
     from trainlib.parallel import ParallelDims
 
     if dist.is_initialized():
@@ -155,74 +184,204 @@ def _build_rank(cfg, world_size: int, rank: int) -> tuple[RankBuild, dict, list[
         raise RuntimeError("trainlib.plan needs a process without a process group (it starts a fake one)")
     dist.init_process_group("fake", rank=rank, world_size=world_size, store=FakeStore())
     try:
-        dims = ParallelDims.from_config(cfg.parallelism, world_size)
+        dims = ParallelDims.from_config(parallelism, world_size)
         dims.build_mesh("cpu")
-        built = build_model_parts(cfg, dims, torch.device("cpu"))
-        rank_build, facts = read_rank_build(cfg, dims, built)
-        return rank_build, facts, [int(r) for r in dims.mesh("pp").mesh.tolist()]
+        return fn(dims)
     finally:
         dist.destroy_process_group()
 
 
-def read_rank_build(cfg, dims, built) -> tuple[RankBuild, dict]:
-    """(what this rank's built model parts hold, the layout facts): from a fake world's build or the
-    job's own, before its weights are materialised."""
+def _facts(cfg, dims, built) -> dict:
+    """Build's layout facts from a build of the job itself."""
     from torch.distributed.fsdp import FSDPModule
 
+    pipe = built.pipeline
+    return dict(n_params=built.n_params, fsdp=any(isinstance(part, FSDPModule) for part in built.parts),
+                n_stages=pipe.stages[0].num_stages if pipe else 1,
+                stages_per_rank=len(pipe.stages) if pipe else 1, n_microbatches=pipe.n_microbatches if pipe else 1,
+                groups=_groups(dims), autocast=built.autocast_dtype is not None,
+                weight_copies=getattr(built, "weight_copies", None) is not None)
+
+
+def _groups(dims) -> dict[str, list[list[int]]]:
+    return {**{a: dims.rank_groups(a) for a in dims.degrees()}, "fsdp": dims.rank_groups("dp_shard_cp"),
+            **({a: dims.rank_groups(a) for a in ("cp_inner", "cp_outer")} if 1 < dims.cp_ulysses < dims.cp else {}),
+            **({"efsdp": dims.rank_groups("efsdp")} if dims.ep_enabled else {})}
+
+
+@dataclass
+class _Probe:
+    """A build of the job without its pipeline split, with one block of each structure the model has."""
+
+    roots: dict[str, nn.Module]  # the root modules by name (ModelSpec.stage_roots), None where absent
+    blocks: dict[tuple, nn.Module]  # a block of each structure (`_structure`)
+    fsdp: bool
+    autocast: bool
+    weight_copies: bool
+
+
+def _structure(block: nn.Module) -> tuple:
+    """What makes two blocks hold the same: their modules' types and parameters' names, shapes and dtypes."""
+    return (tuple((n, type(m).__name__) for n, m in block.named_modules()),
+            tuple((n, tuple(p.shape), p.dtype) for n, p in block.named_parameters()))
+
+
+def _model_shapes(cfg) -> tuple[int, list[tuple], list[tuple] | None]:
+    """(the model's parameters, each block's `_structure`, each block's of the smallest model of this
+    section that holds a block of every structure, or None where no smaller one does), from meta builds."""
+    from trainlib.config import ConfigError
+    from trainlib.models import count_params
+    from trainlib.models.registry import get_model_spec, model_args
+
+    key = repr(cfg.model)
+    if key not in _SHAPES:
+        spec = get_model_spec(cfg.model.name)
+        with torch.device("meta"):
+            model = spec.model_cls(model_args(cfg.model), rope_len=1)
+        structures = [_structure(b) for b in model.layers.values()]
+        wanted, probe = set(structures), None
+        for n in range(1, len(structures)):
+            try:
+                with torch.device("meta"):
+                    small = spec.model_cls(model_args(replace(cfg.model, n_layers=n)), rope_len=1)
+            except ConfigError:  # a family may refuse some layer counts
+                continue
+            if {_structure(b) for b in small.layers.values()} >= wanted:
+                probe = [_structure(b) for b in small.layers.values()]
+                break
+        _SHAPES[key] = (count_params(model), structures, probe)
+    return _SHAPES[key]
+
+
+def _probe_build(cfg, world_size: int) -> Build | None:
+    """Build from a probe (`build_on_fake_world`), or None where the probe cannot stand for the job."""
+    from trainlib.float8 import filter_patterns
+    from trainlib.models.registry import get_model_spec
+    from trainlib.parallel import pp as pp_lib
+
+    spec, par = get_model_spec(cfg.model.name), cfg.parallelism
+    if cfg.float8.enable and any(c in pattern for pattern in filter_patterns(cfg.float8, spec.output_module)
+                                 for c in "0123456789?["):
+        return None  # the filter may tell blocks apart by their index
+    n_params, structures, probe_structures = _model_shapes(cfg)
+    if probe_structures is None:
+        return None
+    pp = par.pp
+    probe_cfg = replace(cfg, model=replace(cfg.model, n_layers=len(probe_structures)),
+                        parallelism=replace(par, pp=1, **{k: getattr(type(par)(), k) for k in _COMM_ONLY}))
+    key = (world_size // pp, *(repr(getattr(probe_cfg, f.name)) for f in fields(probe_cfg)
+                               if f.name not in ("activation_checkpoint", "compile")))
+    if key not in _PROBES:
+        if len(_PROBES) > 256:
+            _PROBES.clear()
+        _PROBES[key] = _on_fake_world(probe_cfg.parallelism, world_size // pp, 0,
+                                      lambda dims: _read_probe(spec, build_model_parts_on(probe_cfg, dims),
+                                                                          probe_structures))
+    probe = _PROBES[key]
+    if probe is None:
+        return None
+    per_rank = pp_lib.stages_per_rank(par.pp_schedule, par.pp_stages_per_rank) if pp > 1 else 1
+    n_stages = pp * per_rank
+    counts = pp_lib.layers_per_stage(len(structures), n_stages, par.pp_layers_per_stage if pp > 1 else None)
+    starts = [sum(counts[:i]) for i in range(n_stages)]
+    ranks = []
+    for pp_rank in range(pp):
+        ids = pp_lib.stage_ids(pp_rank, pp, per_rank, par.pp_schedule) if pp > 1 else [0]
+        layers = [i for sid in ids for i in range(starts[sid], starts[sid] + counts[sid])]
+        first, last = 0 in ids, n_stages - 1 in ids
+        roots = [(name, m) for name, m in probe.roots.items() if m is not None
+                 and (name in spec.stage_roots.first and first or name in spec.stage_roots.last and last)]
+        blocks = [(f"layers.{i}", probe.blocks[structures[i]]) for i in layers]
+        ranks.append(rank_build_of(cfg, pp_rank, ids, layers, first, last, roots, blocks))
+    groups = _on_fake_world(par, world_size, 0, _groups)
+    return Build(n_params=n_params, fsdp=probe.fsdp, n_stages=n_stages, stages_per_rank=per_rank,
+                 n_microbatches=(par.pp_microbatches or n_stages) if pp > 1 else 1, ranks=ranks, groups=groups,
+                 autocast=probe.autocast, weight_copies=probe.weight_copies)
+
+
+def _read_probe(spec, built, structures: list[tuple]) -> _Probe | None:
+    """The probe's modules; `structures`: its blocks' (`_structure` before it was parallelized)."""
+    from torch.distributed.fsdp import FSDPModule
+
+    (part,) = built.parts
+    roots = {name: getattr(part, name) for name in (*spec.stage_roots.first, *spec.stage_roots.last)}
+    held = {id(p) for m in (*part.layers.values(), *(r for r in roots.values() if r is not None))
+            for p in m.parameters()}
+    if any(id(p) not in held for p in part.parameters()):
+        return None  # parameters outside the blocks and the named roots: only the exact build places them
+    blocks = {}
+    for structure, block in zip(structures, part.layers.values(), strict=True):
+        blocks.setdefault(structure, block)
+    return _Probe(roots, blocks, isinstance(part, FSDPModule), built.autocast_dtype is not None,
+                  getattr(built, "weight_copies", None) is not None)
+
+
+def read_rank_build(cfg, dims, built) -> RankBuild:
+    """What this rank's built model parts hold: from a fake world's build or the job's own, before its
+    weights are materialised."""
     from trainlib.models.registry import get_model_spec
 
     parts, pipe = built.parts, built.pipeline
-    pp_rank = dims.mesh("pp").get_local_rank()
-    stage_ids = [s.stage_index for s in pipe.stages] if pipe else [0]
-    blocks = [b for part in parts for b in part.layers.values()]
-    facts = dict(
-        n_params=built.n_params, fsdp=any(isinstance(part, FSDPModule) for part in parts),
-        n_stages=pipe.stages[0].num_stages if pipe else 1, stages_per_rank=len(stage_ids),
-        n_microbatches=pipe.n_microbatches if pipe else 1,
-        groups={**{a: dims.rank_groups(a) for a in dims.degrees()}, "fsdp": dims.rank_groups("dp_shard_cp"),
-                **({a: dims.rank_groups(a) for a in ("cp_inner", "cp_outer")}
-                   if 1 < dims.cp_ulysses < dims.cp else {}),
-                **({"efsdp": dims.rank_groups("efsdp")} if dims.ep_enabled else {})},
-        autocast=built.autocast_dtype is not None,
-        weight_copies=getattr(built, "weight_copies", None) is not None)
-    linears = [(name, m) for part in parts for name, m in part.named_modules() if isinstance(m, nn.Linear)]
+    roots = get_model_spec(cfg.model.name).stage_roots
+    names = (*roots.first, *roots.last)
+    root_modules = [(name, getattr(part, name)) for part in parts for name in names if getattr(part, name) is not None]
+    blocks = [(f"layers.{i}", b) for part in parts for i, b in part.layers.items()]
+    held = {id(p) for _, m in (*root_modules, *blocks) for p in m.parameters()}
+    if any(id(p) not in held for part in parts for p in part.parameters()):
+        raise RuntimeError(f"{cfg.model.name}'s parts hold parameters outside their blocks and its ModelSpec's "
+                           f"stage_roots {names}: the planner would not count them")
+    return rank_build_of(cfg, dims.mesh("pp").get_local_rank(),
+                         [s.stage_index for s in pipe.stages] if pipe else [0], [int(i) for part in parts for i in part.layers],
+                         any(name in roots.first for name, _ in root_modules),
+                         any(name in roots.last for name, _ in root_modules), root_modules, blocks)
+
+
+def rank_build_of(cfg, pp_rank: int, stage_ids: list[int], layers: list[int], has_embedding: bool,
+                  has_output: bool, roots: list[tuple[str, nn.Module]], blocks: list[tuple[str, nn.Module]]
+                  ) -> RankBuild:
+    """A pipeline rank's RankBuild from the modules it holds by their names in the model: its root
+    modules (ModelSpec.stage_roots) and its blocks ("layers.<i>")."""
+    from trainlib.models.registry import get_model_spec
+
     spec = get_model_spec(cfg.model.name)
-    roots = spec.stage_roots
-    rank_build = RankBuild(pp_rank, stage_ids, [int(i) for part in parts for i in part.layers],
-                           any(getattr(part, name) is not None for part in parts for name in roots.first),
-                           any(getattr(part, name) is not None for part in parts for name in roots.last),
-                           {**state_bytes(parts, optimizer_state_dtype(cfg)),
-                            "weight_copies": weight_copy_bytes(parts)},
-                           max((sum(_per_tp_rank(p) for p in b.parameters()) for b in blocks), default=0),
-                           sum(_per_tp_rank(p) for part in parts for name, p in part.named_parameters()
-                               if not name.startswith("layers.")),
-                           max((sum(_per_tp_rank(p) for p in b.parameters() if _on_ep(p)) for b in blocks),
-                               default=0),
-                           sum(p.numel() for part in parts for p in part.parameters() if _tp_replicated(p)),
-                           sum(_per_tp_rank(m.weight) for name, m in linears if name.startswith("layers.")),
-                           sum(_per_tp_rank(m.weight) for name, m in linears if name == spec.output_module),
-                           *(_float8_linears(parts) if cfg.float8.enable else ({}, {})))
-    return rank_build, facts
+    pieces = [*roots, *blocks]
+    # A tied matrix once, among the roots; a block's own parameters each time it appears (a probe's
+    # block stands for every block of its structure).
+    params = [*{id(p): p for _, m in roots for p in m.parameters()}.values(),
+              *(p for _, b in blocks for p in b.parameters())]
+    linears = [(name, m) for prefix, piece in pieces for name, m in piece.named_modules(prefix=prefix)
+               if isinstance(m, nn.Linear)]
+    block_of = [(b, [p for p in b.parameters()]) for _, b in blocks]
+    return RankBuild(
+        pp_rank, list(stage_ids), list(layers), has_embedding, has_output,
+        {**params_state_bytes(params, optimizer_state_dtype(cfg)),
+         "weight_copies": weight_copy_bytes([m for _, m in pieces])},
+        max((sum(_per_tp_rank(p) for p in ps) for _, ps in block_of), default=0),
+        sum(_per_tp_rank(p) for _, m in roots for p in m.parameters()),
+        max((sum(_per_tp_rank(p) for p in ps if _on_ep(p)) for _, ps in block_of), default=0),
+        sum(p.numel() for p in params if _tp_replicated(p)),
+        sum(_per_tp_rank(m.weight) for name, m in linears if name.startswith("layers.")),
+        sum(_per_tp_rank(m.weight) for name, m in linears if name == spec.output_module),
+        *(_float8_linears(linears) if cfg.float8.enable else ({}, {})))
 
 
-def _float8_linears(parts) -> tuple[dict[str, int], dict[str, float]]:
-    """RankBuild's float8_linears and float8_sizes. TP shards a linear's out
-    (colwise) or in (rowwise) features: a tp rank casts and multiplies that share."""
+def _float8_linears(linears: list[tuple[str, nn.Module]]) -> tuple[dict[str, int], dict[str, float]]:
+    """RankBuild's float8_linears and float8_sizes, from a rank's linears by name. TP shards a linear's
+    out (colwise) or in (rowwise) features: a tp rank casts and multiplies that share."""
     from torchao.float8.float8_linear import Float8Linear
 
     from trainlib.float8 import linear_size
 
     counts, sizes = Counter(), {}
-    for part in parts:
-        for name, m in part.named_modules():
-            if isinstance(m, Float8Linear):
-                short = name.rsplit(".", 1)[-1]
-                counts[short] += 1
-                features = [m.out_features, m.in_features]  # the weight's dims
-                shard = _tp_shard(m.weight)
-                if shard is not None:
-                    features[shard[0]] //= shard[1]
-                sizes[short] = linear_size(features[1], features[0])
+    for name, m in linears:
+        if isinstance(m, Float8Linear):
+            short = name.rsplit(".", 1)[-1]
+            counts[short] += 1
+            features = [m.out_features, m.in_features]  # the weight's dims
+            shard = _tp_shard(m.weight)
+            if shard is not None:
+                features[shard[0]] //= shard[1]
+            sizes[short] = linear_size(features[1], features[0])
     return dict(counts), sizes
 
 
@@ -527,7 +686,7 @@ def job_peak(cfg, dims, built, local_bs: int, grad_accum: int, device_type: str)
     """This rank's predicted peak memory, from the job's own build (before its weights exist)."""
     from trainlib.models.registry import model_args
 
-    r, facts = read_rank_build(cfg, dims, built)
+    r, facts = read_rank_build(cfg, dims, built), _facts(cfg, dims, built)
     s = step_shape(cfg, dims, model_args(cfg.model), facts["n_stages"], facts["stages_per_rank"],
                    facts["n_microbatches"], facts["fsdp"], r.block_params, local_bs, device_type,
                    r.block_expert_params)

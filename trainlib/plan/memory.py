@@ -44,16 +44,20 @@ def state_bytes(model_parts: list[nn.Module], state_dtype: str | None = None) ->
     weights); AdamW keeps exp_avg and exp_avg_sq like each parameter, or in
     `state_dtype` where given (`optimizer.state_dtype`: "float32",
     "bfloat16"), plus a 4-byte fp32 `step` tensor per parameter."""
-    params = grads = opt = 0
     # parameters() yields a tied parameter once; parts never share one (tied embeddings are refused under PP).
-    for part in model_parts:
-        for p in part.parameters():
-            loc = _local(p)
-            b = loc.numel() * loc.element_size()
-            params += b
-            grads += b if p.requires_grad else 0
-            opt += 2 * (loc.numel() * DTYPE_BYTES[state_dtype] if state_dtype else b) + 4
-    return {"params": params, "grads": grads, "optimizer": opt}
+    return params_state_bytes([p for part in model_parts for p in part.parameters()], state_dtype)
+
+
+def params_state_bytes(params: list[nn.Parameter], state_dtype: str | None = None) -> dict[str, int]:
+    """`state_bytes` of these parameters (each once)."""
+    held = grads = opt = 0
+    for p in params:
+        loc = _local(p)
+        b = loc.numel() * loc.element_size()
+        held += b
+        grads += b if p.requires_grad else 0
+        opt += 2 * (loc.numel() * DTYPE_BYTES[state_dtype] if state_dtype else b) + 4
+    return {"params": held, "grads": grads, "optimizer": opt}
 
 
 # ---- activations -----------------------------------------------------------------------------------------------------
