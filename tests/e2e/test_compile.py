@@ -89,3 +89,42 @@ def test_compiled_fsdp_float8_full_ac_matches_eager_float8(monkeypatch):
     # value on either side of an e4m3 rounding boundary moves by 1/16), hence
     # a looser bound than fp32's, still far below float8's own 1e-3 effect.
     assert report.max_rel_loss < 1e-4
+
+
+@pytest.mark.slow
+@needs_cxx_compiler
+def test_compiled_ulysses_and_hybrid_cp_with_float8_and_ac_match_eager(monkeypatch):
+    """Ulysses' all-to-alls (functional collectives with autograd) inside each compiled block graph, no
+    graph break, under float8 and full AC, against the same layouts eager (issue 45: CP methods compose
+    with compile, AC and float8)."""
+    monkeypatch.setenv("TORCH_LOGS", "dynamo")
+    for layout in ("cp=2,cp_method=ulysses", "cp=4,cp_method=hybrid,cp_ulysses=2"):
+        eager = f"{layout},float8.enable=true"
+        report = run_parity(str(RECIPES / "debug.toml"), [eager + ",compile.enable=true,activation_checkpoint.mode=full"],
+                            steps=6, extra=SMALL, baseline=eager)
+        print(report.table())
+        assert compiled_graphs(report.baseline.output) == []
+        # Every rank logs its own graphs (as [rankN]:); a break at the all-to-all would add resume frames.
+        assert set(compiled_graphs(report.runs[0].output)) == {"block"}, report.runs[0].output[-3000:]
+        assert report.max_rel_loss < 1e-4, layout
+
+
+_DONE = re.compile(r"\[rank0\]:.*\[(\d+)/(\d+)\] Step 2: done compiler function inductor")
+
+
+@pytest.mark.slow
+@needs_cxx_compiler
+def test_compiled_moe_with_expert_parallel_matches_eager(monkeypatch):
+    """debug_moe (a dense block, then MoE blocks) under EP 2 with inductor and full AC against EP 2 eager,
+    the global-batch auxiliary loss on (a loss term a compiled graph once dropped the gradient of). An MoE
+    block compiles in two graphs around its routed experts (MoE._routed runs eager: routing-dependent
+    shapes), the dense block in one."""
+    monkeypatch.setenv("TORCH_LOGS", "dynamo")
+    eager = "dp_shard=2,ep=2"
+    report = run_parity(str(RECIPES / "debug_moe.toml"), [eager + ",compile.enable=true,activation_checkpoint.mode=full"],
+                        steps=6, extra=[*SMALL, "--moe.global_aux_loss_coef=0.01"], baseline=eager)
+    print(report.table())
+    assert not _DONE.search(report.baseline.output)
+    frames = {m.group(1, 2) for m in _DONE.finditer(report.runs[0].output)}
+    assert len(frames) == 3, report.runs[0].output[-3000:]  # the dense block, an MoE block's two halves
+    assert report.max_rel_loss < 1e-5 and report.max_rel_grad_norm < 1e-4

@@ -444,14 +444,17 @@ def _ac_label(ac) -> str:
     return ac.mode
 
 
-EXPOSED = ("tp", "ep_all_to_all")  # traffic lines compute waits for (step_time)
+EXPOSED = ("tp", "ep_all_to_all", "cp_kv", "cp_all_to_all", "cp_inner_all_to_all", "cp_outer_kv")
 
 
 def step_time(terms: dict[str, float], bubble: float, comm_s: dict[str, float]) -> tuple[float, float]:
     """(compute seconds, step seconds) from the seconds of each kind of work
-    (`speed.term_seconds`). FSDP, HSDP, PP and CP traffic overlaps compute
-    (prefetch, async p2p); TP's collectives sit between dependent matmuls and
-    are exposed, as is expert parallel's all-to-all (the experts wait for their rows)."""
+    (`speed.term_seconds`). FSDP, HSDP and PP traffic overlaps compute
+    (prefetch, async p2p); the lines in EXPOSED are waited for: TP's collectives
+    sit between dependent matmuls, expert parallel's all-to-all before the
+    experts that need its rows, and every CP method's collective before the
+    attention that needs its keys and values or heads (trainlib's CP issues
+    them in the attention's path, with nothing to overlap them with)."""
     compute_s = sum(terms.values())
     overlapped = sum(v for k, v in comm_s.items() if k not in EXPOSED)
     return compute_s, max(compute_s * (1 + bubble), overlapped) + sum(comm_s.get(k, 0.0) for k in EXPOSED)

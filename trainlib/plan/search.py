@@ -99,7 +99,7 @@ def suggest(recipe: str | None, world_size: int, gpu: str = "h100", overrides: l
                                 "cp_gib": sum(v for k, v in p.comm_bytes.items() if k.startswith("cp")) / GiB})
         if progress is not None:
             progress(i + 1, len(todo), len(results))
-    # CP traffic is priced as overlapping compute (as FSDP's), so methods often tie on time: less traffic first
+    # Ties (e.g. CP methods whose traffic is equally small): less CP traffic first
     results.sort(key=lambda r: (r["step_s"], r["cp_gib"]))
     return results[:top]
 
