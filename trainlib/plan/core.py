@@ -323,32 +323,32 @@ def read_rank_build(cfg, dims, built) -> RankBuild:
 
     parts, pipe = built.parts, built.pipeline
     roots = get_model_spec(cfg.model.name).stage_roots
-    names = (*roots.first, *roots.last)
-    root_modules = [(name, getattr(part, name)) for part in parts for name in names if getattr(part, name) is not None]
-    blocks = [(f"layers.{i}", b) for part in parts for i, b in part.layers.items()]
-    held = {id(p) for _, m in (*root_modules, *blocks) for p in m.parameters()}
-    if any(id(p) not in held for part in parts for p in part.parameters()):
-        raise RuntimeError(f"{cfg.model.name}'s parts hold parameters outside their blocks and its ModelSpec's "
-                           f"stage_roots {names}: the planner would not count them")
+    # Every child outside the blocks is a root module here (a family's own extras included); parameters
+    # held by a part itself count with them.
+    root_modules = [(name, m) for part in parts for name, m in part.named_children() if name != "layers"]
+    loose = [p for part in parts for p in part.parameters(recurse=False)]
     return rank_build_of(cfg, dims.mesh("pp").get_local_rank(),
-                         [s.stage_index for s in pipe.stages] if pipe else [0], [int(i) for part in parts for i in part.layers],
-                         any(name in roots.first for name, _ in root_modules),
-                         any(name in roots.last for name, _ in root_modules), root_modules, blocks)
+                         [s.stage_index for s in pipe.stages] if pipe else [0],
+                         [int(i) for part in parts for i in part.layers],
+                         any(getattr(part, name) is not None for part in parts for name in roots.first),
+                         any(getattr(part, name) is not None for part in parts for name in roots.last),
+                         root_modules, [(f"layers.{i}", b) for part in parts for i, b in part.layers.items()], loose)
 
 
 def rank_build_of(cfg, pp_rank: int, stage_ids: list[int], layers: list[int], has_embedding: bool,
-                  has_output: bool, roots: list[tuple[str, nn.Module]], blocks: list[tuple[str, nn.Module]]
-                  ) -> RankBuild:
+                  has_output: bool, roots: list[tuple[str, nn.Module]], blocks: list[tuple[str, nn.Module]],
+                  loose: list[nn.Parameter] = ()) -> RankBuild:
     """A pipeline rank's RankBuild from the modules it holds by their names in the model: its root
-    modules (ModelSpec.stage_roots) and its blocks ("layers.<i>")."""
+    modules (ModelSpec.stage_roots) and its blocks ("layers.<i>"); `loose`: parameters held by the
+    model itself, outside any child module."""
     from trainlib.models.registry import get_model_spec
 
     spec = get_model_spec(cfg.model.name)
     pieces = [*roots, *blocks]
     # A tied matrix once, among the roots; a block's own parameters each time it appears (a probe's
     # block stands for every block of its structure).
-    params = [*{id(p): p for _, m in roots for p in m.parameters()}.values(),
-              *(p for _, b in blocks for p in b.parameters())]
+    root_params = list({id(p): p for p in (*loose, *(p for _, m in roots for p in m.parameters()))}.values())
+    params = [*root_params, *(p for _, b in blocks for p in b.parameters())]
     linears = [(name, m) for prefix, piece in pieces for name, m in piece.named_modules(prefix=prefix)
                if isinstance(m, nn.Linear)]
     block_of = [(b, [p for p in b.parameters()]) for _, b in blocks]
@@ -357,7 +357,7 @@ def rank_build_of(cfg, pp_rank: int, stage_ids: list[int], layers: list[int], ha
         {**params_state_bytes(params, optimizer_state_dtype(cfg)),
          "weight_copies": weight_copy_bytes([m for _, m in pieces])},
         max((sum(_per_tp_rank(p) for p in ps) for _, ps in block_of), default=0),
-        sum(_per_tp_rank(p) for _, m in roots for p in m.parameters()),
+        sum(_per_tp_rank(p) for p in root_params),
         max((sum(_per_tp_rank(p) for p in ps if _on_ep(p)) for _, ps in block_of), default=0),
         sum(p.numel() for p in params if _tp_replicated(p)),
         sum(_per_tp_rank(m.weight) for name, m in linears if name.startswith("layers.")),
