@@ -85,7 +85,7 @@ def test_ulysses_resume_bitwise_and_reshard_between_cp_methods(tmp_path, straigh
                                 ("hybrid", {"cp": 4}, ["--parallelism.cp_method=hybrid",
                                                        "--parallelism.cp_ulysses=2"])):
         folder = tmp_path / name
-        _run(folder, {"cp": 2}, ulysses, fault="after_step:4")
+        _run(folder, {"cp": 2}, ulysses, fault="after_step:4", markers=f"faults_{name}")  # a fault fires once per marker folder
         assert complete_steps(folder / "checkpoint")[-1] == 4
         _run(folder, layout, extra)
         got = _losses(folder)
