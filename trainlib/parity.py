@@ -175,8 +175,8 @@ class WorkerPool:
         self._answers(new, timeout, "start")
 
     def _answers(self, workers: list[subprocess.Popen], timeout: float, what: str) -> list[dict]:
-        """One JSON line from each worker, or RuntimeError (and a fresh pool next time) when one dies or
-        the deadline passes first."""
+        """One JSON line from each worker, or RuntimeError when one dies, TimeoutError when the deadline
+        passes first (either way a fresh pool next time)."""
         deadline = time.monotonic() + timeout
         answers: dict[int, dict] = {}
         while len(answers) < len(workers):
@@ -216,7 +216,7 @@ class WorkerPool:
             codes = [a["rc"] for a in self._answers(self._workers[:nproc], timeout, f"job {' '.join(argv)}")]
         except (TimeoutError, RuntimeError) as e:
             tail = "\n".join(_read(logs[0]).splitlines()[-40:])
-            raise RuntimeError(f"{e}\nrank 0's output ends:\n{tail}") from None
+            raise type(e)(f"{e}\nrank 0's output ends:\n{tail}") from None
         output = "".join(_read(p) for p in logs)
         for p in logs:
             p.unlink(missing_ok=True)
@@ -254,7 +254,10 @@ def run_layout(recipe: str | None, spec: str, steps: int, out_dir: Path, extra: 
     name = spec or "single"
     args = (["--recipe", recipe] if recipe else []) + args
     pool = pool or _default_pool
-    proc = pool.run(nproc, args, timeout) if pool else _run(train_command(nproc, args), name, timeout)
+    try:
+        proc = pool.run(nproc, args, timeout) if pool else _run(train_command(nproc, args), name, timeout)
+    except TimeoutError as e:  # the pool's: its workers were stopped
+        raise RuntimeError(f"layout '{name}' did not finish within {timeout:g} s and was stopped: {e}") from None
     if proc.returncode != 0:
         # The job rejected its input (exit 2; torchrun reports 1): pass its one-line reason on.
         reason = next((x for x in (proc.stdout + proc.stderr).splitlines() if x.startswith("trainlib: error: ")),

@@ -9,7 +9,7 @@ import pytest
 
 from tests.helpers import RECIPES, REPO, run_tree
 from trainlib.config import load_job_config
-from trainlib.parity import run_layout
+from trainlib.parity import default_pool, run_layout
 
 CONTRACT = ("step", "loss", "grad_norm", "lr", "tokens_per_second", "step_time_s", "tflops", "mfu", "peak_memory_gib")
 
@@ -77,13 +77,17 @@ def _processes_naming(text: str) -> list[int]:
     return pids
 
 
-@pytest.mark.slow  # 25 s: a 2-rank job stopped at its time limit
+@pytest.mark.slow  # 50 s: a 2-rank job stopped at its time limit, through torchrun and in a worker pool
 def test_parity_stops_a_layout_past_its_time_limit_with_its_workers(tmp_path):
     # torchrun's workers run in sessions of their own: a timeout that killed torchrun alone left them training.
+    # A pool's workers (the session's, here) are stopped too, and the next job gets fresh ones.
     try:
-        with pytest.raises(RuntimeError, match=r"layout 'dp_shard=2' did not finish within 20 s"):
+        with default_pool(None), pytest.raises(RuntimeError, match=r"layout 'dp_shard=2' did not finish within 20 s"):
             run_layout(None, "dp_shard=2", steps=100_000, out_dir=tmp_path, timeout=20)
         assert _processes_naming(str(tmp_path)) == []
+        with pytest.raises(RuntimeError, match=r"layout 'dp_shard=2' did not finish within 20 s.*no answer"):
+            run_layout(None, "dp_shard=2", steps=100_000, out_dir=tmp_path / "pooled", timeout=20)
+        assert len(run_layout(None, "dp_shard=2", steps=2, out_dir=tmp_path / "after").losses) == 2
     finally:
         for pid in _processes_naming(str(tmp_path)):
             os.kill(pid, signal.SIGKILL)
