@@ -274,9 +274,10 @@ def _probe_build(cfg, world_size: int) -> Build | None:
     if key not in _PROBES:
         if len(_PROBES) > 256:
             _PROBES.clear()
-        _PROBES[key] = _on_fake_world(probe_cfg.parallelism, world_size // pp, 0,
-                                      lambda dims: _read_probe(spec, build_model_parts_on(probe_cfg, dims),
-                                                                          probe_structures))
+        def read(dims):
+            return _read_probe(spec, build_model_parts_on(probe_cfg, dims), probe_structures)
+
+        _PROBES[key] = _on_fake_world(probe_cfg.parallelism, world_size // pp, 0, read)
     probe = _PROBES[key]
     if probe is None:
         return None
