@@ -257,14 +257,28 @@ def _origins(d: dict, file: str, path: tuple = ()) -> dict[tuple, str]:
     return out
 
 
+_PARSED: dict[bytes, dict] = {}  # a TOML file's bytes -> its parse (the planner loads a recipe per layout)
+
+
+def read_toml(path: Path) -> dict:
+    """The TOML file at `path`, parsed (a fresh copy: callers merge into it). A file's parse is kept by
+    its bytes, which are read each time, so an edited file is parsed anew."""
+    with open(path, "rb") as fh:
+        raw = fh.read()
+    if raw not in _PARSED:
+        if len(_PARSED) > 256:
+            _PARSED.clear()
+        _PARSED[raw] = tomllib.loads(raw.decode())
+    return copy.deepcopy(_PARSED[raw])
+
+
 def _load(path: Path, chain: tuple[Path, ...]) -> tuple[dict, dict]:
     """Load ``path`` with its ``extends`` resolved; ``chain`` is the include stack."""
     if not path.is_file():
         via = f" (extended from {chain[-1]})" if chain else ""
         raise ConfigError(f"recipe file not found: {path}{via}; check the path")
     try:
-        with open(path, "rb") as fh:
-            data = tomllib.load(fh)
+        data = read_toml(path)
     except tomllib.TOMLDecodeError as e:
         raise ConfigError(f"invalid TOML in {path}: {e}") from None
     except UnicodeDecodeError as e:
@@ -300,9 +314,8 @@ def aliases() -> dict[str, str]:
     declared by its recipe file as a top-level `aliases = [...]` -> the recipe's stem."""
     out = {}
     for path in sorted(recipes_dir().glob("*.toml")):
-        with open(path, "rb") as fh:
-            for alias in tomllib.load(fh).get("aliases", []):
-                out[alias] = path.stem
+        for alias in read_toml(path).get("aliases", []):
+            out[alias] = path.stem
     return out
 
 

@@ -267,8 +267,11 @@ def _probe_build(cfg, world_size: int) -> Build | None:
     if probe_structures is None:
         return None
     pp = par.pp
+    # AC and compile wrap modules without adding parameters (the build key leaves them out): the probe
+    # skips them, torch.compile's set-up being most of a small build's time.
     probe_cfg = replace(cfg, model=replace(cfg.model, n_layers=len(probe_structures)),
-                        parallelism=replace(par, pp=1, **{k: getattr(type(par)(), k) for k in _COMM_ONLY}))
+                        parallelism=replace(par, pp=1, **{k: getattr(type(par)(), k) for k in _COMM_ONLY}),
+                        activation_checkpoint=type(cfg.activation_checkpoint)(), compile=type(cfg.compile)())
     key = (world_size // pp, *(repr(getattr(probe_cfg, f.name)) for f in fields(probe_cfg)
                                if f.name not in ("activation_checkpoint", "compile")))
     if key not in _PROBES:
