@@ -761,7 +761,8 @@ def test_suggest_builds_only_what_may_fit_and_lists_what_planning_every_layout_l
 
 # Each a layout where a pipeline rank's holdings differ from another's, or the probe's roots or blocks
 # could be miscounted: PP with uneven and explicit splits, interleaved and V schedules, tied embeddings,
-# dense and MoE blocks with EP, CP methods, float8, the one-rank autocast copies, the chunked loss.
+# dense and MoE blocks with EP, CP methods, float8, the one-rank autocast copies, the unchunked loss, and
+# compile and AC (which the probe leaves out).
 PROBED = [
     ("debug.toml", 4, ["parallelism.pp=2", "parallelism.tp=2"]),
     ("debug.toml", 4, ["parallelism.pp=2", "parallelism.pp_schedule=Interleaved1F1B"]),
@@ -772,6 +773,7 @@ PROBED = [
                        "float8.min_size=0"]),
     ("debug.toml", 1, ["training.mixed_precision_impl=autocast", "training.mixed_precision_weight_copy=true"]),
     ("debug.toml", 4, ["loss.chunked=false", "parallelism.tp=2"]),
+    ("debug.toml", 4, ["parallelism.tp=2", "compile.enable=true", "activation_checkpoint.mode=full"]),
     ("debug_qwen3.toml", 4, ["model.flavor=debug_tied", "parallelism.tp=2"]),
     ("debug_moe.toml", 8, ["parallelism.ep=2", "parallelism.pp=2"]),
     ("debug_moe.toml", 8, ["parallelism.ep=4", "parallelism.tp=2"]),
