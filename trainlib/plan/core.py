@@ -145,13 +145,18 @@ def build_on_fake_world(cfg, world_size: int, exact: bool = False) -> Build:
     holds is a sum over its modules. `exact` (and a float8 filter that names
     blocks by index, which the probe renumbers) builds the job itself, once
     per pipeline rank, as the job does."""
-    key = (world_size, exact, *(repr(getattr(cfg, f.name)) for f in fields(cfg)
-                                if f.name not in ("activation_checkpoint", "compile")))
+    key = (world_size, exact, *_holdings_key(cfg))
     if key not in _BUILT:
         if len(_BUILT) > 256:
             _BUILT.clear()
         _BUILT[key] = (None if exact else _probe_build(cfg, world_size)) or _exact_build(cfg, world_size)
     return _BUILT[key]
+
+
+def _holdings_key(cfg) -> tuple[str, ...]:
+    """Every section of the JobConfig but those that wrap modules without adding parameters (AC and
+    compile): what a build's holdings may depend on."""
+    return tuple(repr(getattr(cfg, f.name)) for f in fields(cfg) if f.name not in ("activation_checkpoint", "compile"))
 
 
 def _exact_build(cfg, world_size: int) -> Build:
@@ -272,8 +277,7 @@ def _probe_build(cfg, world_size: int) -> Build | None:
     probe_cfg = replace(cfg, model=replace(cfg.model, n_layers=len(probe_structures)),
                         parallelism=replace(par, pp=1, **{k: getattr(type(par)(), k) for k in _COMM_ONLY}),
                         activation_checkpoint=type(cfg.activation_checkpoint)(), compile=type(cfg.compile)())
-    key = (world_size // pp, *(repr(getattr(probe_cfg, f.name)) for f in fields(probe_cfg)
-                               if f.name not in ("activation_checkpoint", "compile")))
+    key = (world_size // pp, *_holdings_key(probe_cfg))
     if key not in _PROBES:
         if len(_PROBES) > 256:
             _PROBES.clear()
@@ -355,14 +359,14 @@ def rank_build_of(cfg, pp_rank: int, stage_ids: list[int], layers: list[int], ha
     params = [*root_params, *(p for _, b in blocks for p in b.parameters())]
     linears = [(name, m) for prefix, piece in pieces for name, m in piece.named_modules(prefix=prefix)
                if isinstance(m, nn.Linear)]
-    block_of = [(b, [p for p in b.parameters()]) for _, b in blocks]
+    per_block = [list(b.parameters()) for _, b in blocks]
     return RankBuild(
         pp_rank, list(stage_ids), list(layers), has_embedding, has_output,
         {**params_state_bytes(params, optimizer_state_dtype(cfg)),
          "weight_copies": weight_copy_bytes([m for _, m in pieces])},
-        max((sum(_per_tp_rank(p) for p in ps) for _, ps in block_of), default=0),
+        max((sum(_per_tp_rank(p) for p in ps) for ps in per_block), default=0),
         sum(_per_tp_rank(p) for p in root_params),
-        max((sum(_per_tp_rank(p) for p in ps if _on_ep(p)) for _, ps in block_of), default=0),
+        max((sum(_per_tp_rank(p) for p in ps if _on_ep(p)) for ps in per_block), default=0),
         sum(p.numel() for p in params if _tp_replicated(p)),
         sum(_per_tp_rank(m.weight) for name, m in linears if name.startswith("layers.")),
         sum(_per_tp_rank(m.weight) for name, m in linears if name == spec.output_module),

@@ -49,7 +49,8 @@ def state_bytes(model_parts: list[nn.Module], state_dtype: str | None = None) ->
 
 
 def params_state_bytes(params: list[nn.Parameter], state_dtype: str | None = None) -> dict[str, int]:
-    """`state_bytes` of these parameters (each once)."""
+    """`state_bytes` of these parameters, each counted as often as it is listed (the planner lists a
+    probe's block once per layer it stands for)."""
     held = grads = opt = 0
     for p in params:
         loc = _local(p)
