@@ -22,7 +22,7 @@ from trainlib.float8 import (check_float8_hardware, convert_float8, filter_patte
                              round_like_eager_under_compile)
 from trainlib.loss import chunked_cross_entropy_sum, cross_entropy_sum, resolve_chunk_tokens
 from trainlib.models import count_params
-from trainlib.models.moe import moe_layers
+from trainlib.blocks.moe import moe_layers
 from trainlib.models.registry import get_model_spec, model_args
 from trainlib.parallel.compile import maybe_compile_loss
 from trainlib.parallel.mixed_precision import autocast_dtype, fsdp_wraps

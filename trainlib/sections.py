@@ -8,7 +8,7 @@ line (`--help`, a misspelled key, a value out of range) is answered before torch
 is imported, which takes seconds (docs/architecture.md). Stdlib only: keep it so
 (tests/unit/test_cli.py runs `--help` with torch made unimportable).
 Packages keep theirs in their own torch-free `config.py` (trainlib.data.config,
-trainlib.checkpoint.config, trainlib.parallel.config, trainlib.models.config).
+trainlib.checkpoint.config, trainlib.parallel.config, trainlib.blocks.config).
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from trainlib.models.moe import MoE, aux_loss_scale, moe_layers
+from trainlib.blocks.moe import MoE, aux_loss_scale, moe_layers
 from trainlib.parallel.cp import local_micro_batches
 from trainlib.parallel.parallel_dims import ParallelDims
 from trainlib.parallel.pp import Pipeline

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from tests.helpers import spawn
-from trainlib.models.moe import MoE, MoEArgs, MoEConfig, aux_loss_scale
+from trainlib.blocks.moe import MoE, MoEArgs, MoEConfig, aux_loss_scale
 from trainlib.parallel.ep import apply_ep
 from trainlib.parallel.fsdp import apply_fsdp
 from trainlib.parallel.parallel_dims import ParallelDims

@@ -16,7 +16,7 @@ def _attention_matches_reference(rank, world, cases_by_u):
     and dq/dk/dv, in float64; KV heads that u does not divide are replicated (4/2 and 4/1 at u=4)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from trainlib.models.layers import document_mask, sdpa
+    from trainlib.blocks.attention import document_mask, sdpa
     from trainlib.parallel.ulysses import ulysses_sdpa
 
     meshes = {world: init_device_mesh("cpu", (world,), mesh_dim_names=("cp",)),

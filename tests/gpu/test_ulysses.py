@@ -20,7 +20,7 @@ def test_cp_degree_one_leaves_the_attention_step_unchanged_at_seq_32768():
     a block at seq 32768 gives the same output and gradients, bit for bit."""
     import copy
 
-    from trainlib.models.layers import Attention
+    from trainlib.blocks.attention import Attention
     from trainlib.models.llama3 import Transformer, get_model_args, parallelize_llama
     from trainlib.parallel import ParallelDims
     from trainlib.parallel.config import ParallelismConfig
@@ -50,7 +50,7 @@ def _nccl_entry(rank, world, store):
     from torch.distributed.device_mesh import init_device_mesh
 
     from tests.helpers import doc_ids_from_starts
-    from trainlib.models.layers import document_mask, sdpa
+    from trainlib.blocks.attention import document_mask, sdpa
     from trainlib.parallel.cp import cp_sdpa, shard_sequence
     from trainlib.parallel.ulysses import ulysses_sdpa
 

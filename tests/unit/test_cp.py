@@ -72,7 +72,7 @@ def test_apply_cp_refuses_a_model_without_attention():
         def get_group(self):
             return None
 
-    with pytest.raises(ValueError, match=r"apply_cp found no attention module \(a subclass of trainlib.models.layers.Attention\)"):
+    with pytest.raises(ValueError, match=r"apply_cp found no attention module \(a subclass of trainlib.blocks.attention.Attention\)"):
         apply_cp(torch.nn.Sequential(torch.nn.Linear(4, 4)), TwoRankMesh())
 
 

@@ -285,7 +285,7 @@ def test_moe_model_converts_its_dense_linears_and_keeps_the_router_in_high_preci
 
     from tests.helpers import build_on_one_rank
     from trainlib.config import load_job_config
-    from trainlib.models.moe import GroupedExperts, MoE, MoEArgs
+    from trainlib.blocks.moe import GroupedExperts, MoE, MoEArgs
 
     cfg = load_job_config(None, ["--model.name=qwen3_moe", "--model.flavor=debug_moe", "--float8.enable=true",
                                  "--float8.emulate=true", "--float8.min_size=0", "--training.seq_len=32"])

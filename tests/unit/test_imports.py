@@ -29,9 +29,9 @@ LAYERS = [
      ["trainlib.errors", "trainlib.compat", "trainlib.guard", "trainlib.config.loader", "trainlib.config.cli", "trainlib.config.recipes", "trainlib.launch", "trainlib.hardware", "trainlib.loss", "trainlib.distributed", "trainlib.metrics", "trainlib.profiling",
       "trainlib.resilience",
       "trainlib.optim", "trainlib.adamw", "trainlib.precision", "trainlib.float8", "trainlib.data", "trainlib.data.*", "trainlib.models",
-      "trainlib.params", "trainlib.models.layers", "trainlib.models.moe", "trainlib.models.spec", "trainlib.models.*.model", "trainlib.models.*.state_dict_adapter",
+      "trainlib.params", "trainlib.blocks", "trainlib.blocks.*", "trainlib.models.layers", "trainlib.models.spec", "trainlib.models.*.model", "trainlib.models.*.state_dict_adapter",
       # the torch-free recipe sections and model shapes (the command line is read before torch is imported)
-      "trainlib.sections", "trainlib.models.config", "trainlib.models.lazy", "trainlib.models.*.args"]),
+      "trainlib.sections", "trainlib.models.lazy", "trainlib.models.*.args"]),
     ("parallel: the mesh, one module per axis, per-model parallelization",
      ["trainlib.parallel", "trainlib.parallel.*", "trainlib.models.*", "trainlib.step", "trainlib.build",
       "trainlib.validation",
@@ -171,3 +171,12 @@ def test_every_public_name_of_a_lazy_package_loads():
         for name in module.__all__:
             assert getattr(module, name) is not None, f"{package}.{name}"
     assert {"ModelParts", "JobConfig", "Transformer", "ParallelDims", "build_model_parts"} <= set(trainlib.__all__)
+
+
+def test_the_parallel_axes_import_no_model_room():
+    """`trainlib/parallel/` finds what it shards and routes by the classes in `trainlib.blocks` (the attention
+    base, the MoE parts), one room below both: the arrows run from the families to the axes, never back."""
+    graph = _graph()
+    back = [f"{m} imports {d}" for m, deps in sorted(graph.items()) if m.startswith("trainlib.parallel")
+            for d in sorted(deps) if d == "trainlib.models" or d.startswith("trainlib.models.")]
+    assert not back, "the parallel axes import the model room:\n" + "\n".join(back)

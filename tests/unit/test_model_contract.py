@@ -25,8 +25,8 @@ GENERIC = [*sorted((ROOT / "parallel").glob("*.py")), *sorted((ROOT / "plan").gl
                                       "precision.py", "convert.py", "parity.py", "float8.py", "metrics.py", "sections.py",
                                       "guard.py"))]
 # Named by the contract itself: the blocks' ModuleDict; `moe`, the [moe] recipe section and the args field an
-# MoE family's shape carries (trainlib.models.moe.MoEArgs), which generic code reads by that name (it finds the
-# MoE modules by class, trainlib.models.moe.moe_layers, never by a block's attribute).
+# MoE family's shape carries (trainlib.blocks.moe.MoEArgs), which generic code reads by that name (it finds the
+# MoE modules by class, trainlib.blocks.moe.moe_layers, never by a block's attribute).
 CONTRACT_NAMES = {"layers", "moe"}
 # Strings the contract defines: block_forward_flops names the attention scores' op "attention" (the planner
 # prices that kind of work by it); attribute access to a module of that name stays a hit.

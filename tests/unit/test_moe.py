@@ -1,4 +1,4 @@
-"""The MoE block (trainlib.models.moe) on one process: routing, the grouped matmul against the reference loop,
+"""The MoE block (trainlib.blocks.moe) on one process: routing, the grouped matmul against the reference loop,
 capacity, the load-balance losses' gradients, the bias update, counting under activation checkpointing."""
 
 import math
@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from trainlib.errors import ConfigError
-from trainlib.models.moe import MoE, MoEArgs, MoEConfig, aux_loss_scale, moe_layers
+from trainlib.blocks.moe import MoE, MoEArgs, MoEConfig, aux_loss_scale, moe_layers
 from trainlib.step import aux_fields
 
 DIM = 16

@@ -821,7 +821,7 @@ def test_suggest_prints_progress_and_rows_that_load_back_as_overrides(capsys):
 def test_moe_activation_estimate_equals_saved_tensors(dtype, shared):
     """What an MoE feed-forward keeps for backward (router, dispatch rows, experts, shared experts) against
     the storages autograd saves; the two things not modelled (per forward, not per token) are asserted as such."""
-    from trainlib.models.moe import MoE, MoEArgs
+    from trainlib.blocks.moe import MoE, MoEArgs
     from trainlib.models.spec import BlockShape
     from trainlib.plan.memory import moe_activation_bytes_per_token
 

@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from trainlib.blocks import attention
 from trainlib.errors import ConfigError
 from trainlib.models import count_params, layers
 from trainlib.models.qwen3 import FLAVORS, Transformer, block_forward_flops, flops_per_token, get_model_args
@@ -165,7 +166,7 @@ def test_permuted_positions_give_the_rows_of_the_full_forward():
     mask = model.attention_mask(doc_ids, torch.float32, q_positions=order)
 
     def gathered_sdpa(q, k, v, _mask):
-        return layers.sdpa(q, k[:, :, window], v[:, :, window], mask)
+        return attention.sdpa(q, k[:, :, window], v[:, :, window], mask)
 
     with torch.no_grad():
         full = model(tokens)
@@ -204,7 +205,7 @@ def test_debug_shape_layers_names_and_tied_init():
     model.init_weights(seed=0)
     assert list(model.layers.keys()) == [str(i) for i in range(args.n_layers)]
     attn = model.layers["0"].attention
-    assert isinstance(attn, layers.Attention)
+    assert isinstance(attn, attention.Attention)
     assert attn.wq.weight.shape == (args.n_heads * args.head_dim, args.dim)
     assert attn.wk.weight.shape == (args.n_kv_heads * args.head_dim, args.dim)
     assert attn.wo.weight.shape == (args.dim, args.n_heads * args.head_dim)

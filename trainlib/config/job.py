@@ -16,7 +16,7 @@ from trainlib.checkpoint.config import CheckpointConfig
 from trainlib.data.config import DataConfig
 from trainlib.data.tokenizer import TokenizerConfig
 from trainlib.errors import ConfigError
-from trainlib.models.config import MoEConfig
+from trainlib.blocks.config import MoEConfig
 from trainlib.models.flavors import DEFAULT_MODEL, FAMILIES, model_args
 from trainlib.parallel.config import ActivationCheckpointConfig, CompileConfig, ParallelismConfig
 from trainlib.sections import (CommConfig, Float8Config, GuardConfig, LossConfig, LRSchedulerConfig, MetricsConfig,

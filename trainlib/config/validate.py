@@ -236,7 +236,7 @@ def _validate_cpu_offload(cfg: JobConfig, dims: ParallelDims) -> None:
 
 
 def _validate_moe(cfg: JobConfig, dims: ParallelDims, model_args) -> None:
-    """What MoE blocks (trainlib.models.moe; a family's args carry them as `moe`) do not run with yet."""
+    """What MoE blocks (trainlib.blocks.moe; a family's args carry them as `moe`) do not run with yet."""
     if getattr(model_args, "moe", None) is None:
         default = type(cfg.moe)()
         changed = [f"moe.{f.name}" for f in dataclasses.fields(cfg.moe)

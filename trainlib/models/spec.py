@@ -14,7 +14,7 @@ single-device PyTorch, built on the meta device):
     stages (the forward skips them), and `output_module`, an nn.Linear
     projection the chunked loss may apply itself when `output_in_forward` is
     set False;
-  - every attention module subclasses `trainlib.models.layers.Attention` and
+  - every attention module subclasses `trainlib.blocks.attention.Attention` and
     runs its kernel as `self.sdpa(q, k, v, mask)` (context parallelism routes it);
   - `forward(tokens, position_ids=None, doc_ids=None)`, `attention_mask(doc_ids,
     dtype, q_positions=None)`, `init_buffers(device)`, `param_init_spec(name)`.
@@ -47,7 +47,7 @@ class BlockShape:
     """What the planner prices one block by: the residual width, attention's
     heads (GQA: n_kv_heads) and head width, and the gated MLP's width. A family
     lists one per block (`ModelSpec.block_shapes`), so blocks may differ. An MoE
-    block (trainlib.models.moe.MoE) gives its MoEArgs as `moe`, and as ffn_dim the
+    block (trainlib.blocks.moe.MoE) gives its MoEArgs as `moe`, and as ffn_dim the
     hidden width a token activates."""
 
     dim: int
@@ -55,7 +55,7 @@ class BlockShape:
     n_kv_heads: int
     head_dim: int
     ffn_dim: int
-    moe: object = None  # trainlib.models.moe.MoEArgs of an MoE block, else None
+    moe: object = None  # trainlib.blocks.moe.MoEArgs of an MoE block, else None
 
 
 @dataclass(frozen=True)

@@ -7,7 +7,7 @@ depth), and FSDP's per-block hooks stay outside the graphs. Applied after AC
 policy) and before FSDP. The wrapper inserts `_orig_mod` into parameter names;
 init and checkpoint keys strip it (trainlib.params.canonical_name).
 
-A block with an MoE feed-forward (trainlib.models.moe) is compiled without
+A block with an MoE feed-forward (trainlib.blocks.moe) is compiled without
 fullgraph: its routed experts run eagerly between two graphs (`MoE._routed`:
 shapes that depend on the routing, expert parallel's all-to-all sized on the
 host), the attention and router before, the shared experts and the residual
@@ -24,7 +24,7 @@ import torch
 from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
-from trainlib.models.moe import MoE
+from trainlib.blocks.moe import MoE
 
 from trainlib.parallel.config import CompileConfig
 

@@ -55,7 +55,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainlib.data import document_ids
-from trainlib.models.layers import Attention
+from trainlib.blocks.attention import Attention
 from trainlib.parallel.ulysses import ulysses_sdpa
 
 __all__ = ["apply_cp", "chunk_ids", "cp_sdpa", "layout_positions", "local_micro_batches", "shard_batch", "shard_sequence", "unshard_sequence"]
@@ -307,7 +307,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool = True
     the all-gather over `outer_mesh` (cp/u ranks), ParallelDims' cp_inner and
     cp_outer.
 
-    Every attention module (a subclass of `trainlib.models.layers.Attention`,
+    Every attention module (a subclass of `trainlib.blocks.attention.Attention`,
     the model contract) has its `sdpa` kernel replaced per instance (the model
     file stays single-device); the replaced one stays the kernel for document
     masks and for Ulysses. A forward pre-hook on the model supplies
@@ -342,7 +342,7 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool = True
             module.sdpa = attend
             n += 1
     if n == 0:
-        raise ValueError("apply_cp found no attention module (a subclass of trainlib.models.layers.Attention) "
+        raise ValueError("apply_cp found no attention module (a subclass of trainlib.blocks.attention.Attention) "
                          "to route")
 
     if hasattr(model, "attention_mask") and outer_cp > 1:  # a model that supports document masking

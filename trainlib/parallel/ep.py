@@ -6,7 +6,7 @@ and the experts' forward (`GroupedExperts.dispatcher`) moves tokens to the
 rank of their expert and back:
 
   1. each rank has routed its tokens and sorted the assignments by expert
-     (trainlib.models.moe); it sends every other rank the counts for that
+     (trainlib.blocks.moe); it sends every other rank the counts for that
      rank's experts (an all-to-all of n_experts integers);
   2. the token rows go to their experts' ranks (`all_to_all_single` with
      uneven splits, autograd included: its backward sends the gradients
@@ -33,7 +33,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
-from trainlib.models.moe import GroupedExperts
+from trainlib.blocks.moe import GroupedExperts
 
 
 def apply_ep(model: nn.Module, ep_mesh: DeviceMesh) -> nn.Module:

@@ -8,7 +8,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
-from trainlib.models.moe import GroupedExperts
+from trainlib.blocks.moe import GroupedExperts
 
 
 def apply_fsdp(

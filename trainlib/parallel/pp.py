@@ -30,8 +30,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from trainlib.errors import ConfigError
 from trainlib.loss import cross_entropy_sum
-from trainlib.models.moe import uncounted
-from trainlib.models.spec import StageRoots
+from trainlib.blocks.moe import uncounted
 
 if TYPE_CHECKING:
     from torch.distributed.pipelining import PipelineStage
@@ -90,7 +89,7 @@ def stage_ids(pp_rank: int, pp: int, n_per_rank: int, schedule: str) -> list[int
 
 
 def split_stage(model: nn.Module, first_layer: int, n_layers: int, is_first: bool, is_last: bool,
-                roots: StageRoots) -> nn.Module:
+                roots) -> nn.Module:
     """The stage of `model` that owns blocks first_layer .. first_layer+n_layers-1
     (and `roots.first` / `roots.last` on the first / last stage).
 
@@ -224,7 +223,7 @@ def pipeline_stages(
     model: nn.Module,
     pp_mesh: DeviceMesh,
     *,
-    roots: StageRoots,
+    roots,
     schedule: str,
     n_microbatches: int,
     n_stages_per_rank: int,
@@ -256,7 +255,7 @@ def pipeline_stages(
     return pipe
 
 
-def build_pipeline(model: nn.Module, roots: StageRoots, parallel_dims, parallelism, device: torch.device,
+def build_pipeline(model: nn.Module, roots, parallel_dims, parallelism, device: torch.device,
                    parallelize: Callable[[nn.Module], nn.Module],
                    criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum) -> Pipeline:
     """`pipeline_stages` with the recipe's [parallelism] settings (validated by `validate_job`)."""

@@ -121,7 +121,7 @@ def block_input_style(sequence_parallel: bool, n_args: int = 1) -> ParallelStyle
 
 
 def moe_style(sequence_parallel: bool) -> ParallelStyle:
-    """An MoE feed-forward (trainlib.models.moe.MoE) under TP: the tokens are split over tp (this rank's
+    """An MoE feed-forward (trainlib.blocks.moe.MoE) under TP: the tokens are split over tp (this rank's
     sequence shard, whether or not SP holds the residual stream that way), so each rank routes and runs
     the experts for distinct tokens, and expert parallel may borrow tp's ranks. The router's and shared
     experts' weights (and the routed experts' until expert parallel shards them) are replicated DTensors

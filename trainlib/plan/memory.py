@@ -96,7 +96,7 @@ def block_activation_bytes_per_token(shape, *, tp: int, sp: bool, elem: int, mod
 
 
 def moe_activation_bytes_per_token(shape, elem: int) -> float:
-    """Bytes an MoE feed-forward (trainlib.models.moe.MoE) keeps for backward per token it routes
+    """Bytes an MoE feed-forward (trainlib.blocks.moe.MoE) keeps for backward per token it routes
     (measured with saved-tensor hooks, docs/planner.md), k = top_k assignments per token:
       input        the norm's output where a matmul keeps it (fp32, or for the shared experts),
                    and the router's fp32 copy of it under a lower compute dtype

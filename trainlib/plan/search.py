@@ -75,7 +75,7 @@ def suggest(recipe: str | None, world_size: int, gpu: str = "h100", overrides: l
     args = model_args(model)
     kv_heads = min(b.n_kv_heads for b in get_model_spec(model.name).block_shapes(args))  # tp must divide each block's
     memory = GPUS[gpu].memory_gib * GiB
-    moe = getattr(args, "moe", None)  # an MoE family's shape (trainlib.models.moe.MoEArgs)
+    moe = getattr(args, "moe", None)  # an MoE family's shape (trainlib.blocks.moe.MoEArgs)
     todo = list(layouts(world_size, kv_heads, args.n_layers, ASSUMPTIONS["gpus_per_node"],
                         moe.n_experts if moe is not None else 0))
     results = []

@@ -17,9 +17,11 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
+from trainlib.blocks import attention
+from trainlib.blocks.attention import document_mask
 from trainlib.models import layers
 from trainlib.models.llama3.args import FLAVORS, ModelArgs, get_model_args
-from trainlib.models.layers import FeedForward, RMSNorm, document_mask
+from trainlib.models.layers import FeedForward, RMSNorm
 from trainlib.models.spec import BlockShape
 
 __all__ = ["FLAVORS", "Attention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer",
@@ -68,7 +70,7 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return out.flatten(-2).type_as(x)
 
 
-class Attention(layers.Attention):
+class Attention(attention.Attention):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
@@ -95,7 +97,7 @@ class Transformer(layers.DecoderLM):
     """Llama 3: `layers.DecoderLM` with Llama's attention (adjacent-pair RoPE, Llama 3.1 frequency scaling)."""
 
     @staticmethod
-    def make_block(args: ModelArgs) -> nn.Module:
+    def make_block(args: ModelArgs, index: int) -> nn.Module:
         return layers.TransformerBlock(args.dim, args.ffn_dim, args.norm_eps, Attention(args))
 
     rope_table = staticmethod(precompute_rope)

@@ -27,9 +27,11 @@ import torch
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
+from trainlib.blocks import attention
+from trainlib.blocks.attention import document_mask
 from trainlib.models import layers
 from trainlib.models.qwen3.args import FLAVORS, ModelArgs, get_model_args
-from trainlib.models.layers import FeedForward, RMSNorm, document_mask
+from trainlib.models.layers import FeedForward, RMSNorm
 from trainlib.models.spec import BlockShape
 
 __all__ = ["FLAVORS", "Attention", "FeedForward", "ModelArgs", "RMSNorm", "Transformer",
@@ -60,7 +62,7 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
     return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1).type_as(x)
 
 
-class Attention(layers.Attention):
+class Attention(attention.Attention):
     def __init__(self, args: ModelArgs):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = args.n_heads, args.n_kv_heads, args.head_dim
@@ -92,7 +94,7 @@ class Transformer(layers.DecoderLM):
     """Qwen3 dense: `layers.DecoderLM` with Qwen3's attention (QK-norm, rotate-half RoPE)."""
 
     @staticmethod
-    def make_block(args: ModelArgs) -> nn.Module:
+    def make_block(args: ModelArgs, index: int) -> nn.Module:
         return layers.TransformerBlock(args.dim, args.ffn_dim, args.norm_eps, Attention(args))
 
     rope_table = staticmethod(precompute_rope)

@@ -7,7 +7,7 @@ import difflib
 from dataclasses import dataclass, replace
 
 from trainlib.errors import ConfigError
-from trainlib.models.config import MoEArgs
+from trainlib.blocks.config import MoEArgs
 from trainlib.models.qwen3.args import ModelArgs as Qwen3Args
 
 NAME = "qwen3_moe"  # model.name

@@ -2,7 +2,7 @@
 
 Qwen3 dense's attention (QK-norm, rotate-half RoPE, head_dim its own
 setting: `trainlib.models.qwen3.model`) with the gated MLP of most blocks
-replaced by a Mixture-of-Experts feed-forward (`trainlib.models.moe.MoE`):
+replaced by a Mixture-of-Experts feed-forward (`trainlib.blocks.moe.MoE`):
 a softmax router picks `top_k` of `n_experts` SwiGLU experts per token and
 renormalises their weights to sum to 1 (Qwen3-MoE's `norm_topk_prob`).
 
@@ -25,7 +25,7 @@ from torch.nn.attention.flex_attention import BlockMask
 from trainlib.models import layers
 from trainlib.models.qwen3_moe.args import FLAVORS, ModelArgs, get_model_args
 from trainlib.models.layers import RMSNorm
-from trainlib.models.moe import MoE, MoEArgs
+from trainlib.blocks.moe import MoE, MoEArgs
 from trainlib.models.qwen3.model import Attention, apply_rope, precompute_rope
 from trainlib.models.spec import BlockShape
 
@@ -51,27 +51,15 @@ class MoEBlock(nn.Module):
 
 
 class Transformer(layers.DecoderLM):
-    """Qwen3-MoE: `layers.DecoderLM` with Qwen3's attention, dense blocks first, then MoE blocks.
-
-    `DecoderLM.__init__` builds one block per `make_block(args)` call, which cannot tell a dense block
-    from an MoE one; here it builds placeholders and `__init__` puts each index's block (`block(args, i)`)
-    in their place, in the same `layers` ModuleDict (same keys, same position among the root modules)."""
+    """Qwen3-MoE: `layers.DecoderLM` with Qwen3's attention, dense blocks first, then MoE blocks."""
 
     @staticmethod
-    def make_block(args: ModelArgs) -> nn.Module:
-        return nn.Identity()  # replaced in __init__ by block(args, i)
-
-    @staticmethod
-    def block(args: ModelArgs, index: int) -> nn.Module:
+    def make_block(args: ModelArgs, index: int) -> nn.Module:
         if index < args.n_dense_layers:
             return layers.TransformerBlock(args.dim, args.ffn_dim, args.norm_eps, Attention(args))
         return MoEBlock(args)
 
     rope_table = staticmethod(precompute_rope)
-
-    def __init__(self, args: ModelArgs, rope_len: int | None = None):
-        super().__init__(args, rope_len)
-        self.layers = nn.ModuleDict({str(i): self.block(args, i) for i in range(args.n_layers)})
 
     def moe_modules(self) -> list[MoE]:
         """The MoE feed-forwards of the blocks this module holds (a pipeline stage holds some)."""

@@ -32,7 +32,7 @@ import re
 import torch
 
 from trainlib.errors import ConfigError
-from trainlib.models.moe import MoEArgs
+from trainlib.blocks.moe import MoEArgs
 from trainlib.models.qwen3.state_dict_adapter import LAYER_NAMES, TOP_NAMES, hf_attention_args
 from trainlib.models.qwen3_moe.model import ModelArgs
 

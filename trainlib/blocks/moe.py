@@ -60,7 +60,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from trainlib.models.config import MoEArgs, MoEConfig
+from trainlib.blocks.config import MoEArgs, MoEConfig
 
 __all__ = ["GroupedExperts", "MoE", "MoEArgs", "MoEConfig", "Router", "aux_loss_scale", "moe_layers", "uncounted"]
 
@@ -290,7 +290,7 @@ class MoE(nn.Module):
     # this is activation checkpointing's recompute; and the auxiliary loss joins here, eagerly, because a compiled
     # graph drops the gradient that _AddAuxiliaryLoss gives an input its forward does not use (measured, torch
     # 2.13 CPU, aot_eager). The router and the losses before it and the shared experts after it compile.
-    @torch.compiler.disable(reason="MoE dispatch: routing-dependent shapes (trainlib.models.moe.MoE._routed)")
+    @torch.compiler.disable(reason="MoE dispatch: routing-dependent shapes (trainlib.blocks.moe.MoE._routed)")
     def _routed(self, xf: torch.Tensor, top_idx: torch.Tensor, weights: torch.Tensor, aux: torch.Tensor | None,
                 terms: torch.Tensor | None) -> torch.Tensor:
         """The routed experts' weighted outputs per token [T, dim] for tokens `xf` [T, dim] routed to `top_idx`

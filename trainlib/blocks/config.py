@@ -1,6 +1,6 @@
 """The shape of an MoE block (`MoEArgs`, held by an MoE family's flavors) and the `[moe]` recipe section
 (`MoEConfig`), torch-free: the flavors and the recipe are read before torch is imported (trainlib.sections).
-trainlib.models.moe, the block itself, re-exports both."""
+trainlib.blocks.moe, the block itself, re-exports both."""
 
 from __future__ import annotations
 

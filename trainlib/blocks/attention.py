@@ -1,0 +1,80 @@
+"""Attention's contract with the parallel axes: the base class every family's attention module subclasses,
+its kernel, and the document mask.
+
+- `Attention`: every family's attention module subclasses it and runs its kernel as
+  `self.sdpa(q, k, v, mask)` on [batch, heads, seq, head_dim] tensors, causal, or under `mask` (from
+  `document_mask`). Context parallelism finds attention modules by this class and replaces `sdpa` per
+  instance (trainlib.parallel.cp), so a family's attention must call its kernel through `self.sdpa`.
+- `document_mask`: the mask a model's `attention_mask(doc_ids, dtype, q_positions)` builds (context
+  parallelism passes its query positions).
+
+This room sits below both the families (`trainlib/models/`) and the axes (`trainlib/parallel/`): the axes
+find these classes without importing any family.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
+
+__all__ = ["Attention", "document_mask", "sdpa"]
+
+
+def document_mask(doc_ids: torch.Tensor, dtype: torch.dtype, q_positions: torch.Tensor | None = None,
+                  flex: bool | None = None) -> torch.Tensor | BlockMask:
+    """Document-causal mask: the query at window position p sees key j iff
+    j <= p and doc_ids[:, j] == doc_ids[:, p].
+
+    doc_ids: [b, S] document index of every position of the whole window.
+    q_positions: [s_q] window positions of the queries, in the order the
+    queries are held (default 0..S-1; context parallelism passes its layout).
+    Keys are always the whole window in order. Returns a flex BlockMask
+    (`flex`, default on CUDA: O(s_q * S / 128^2) memory, masked blocks skipped)
+    or an additive [b, 1, s_q, S] mask of `dtype` for SDPA (elsewhere: one
+    copy shared by every layer, which a boolean mask would not be, since SDPA
+    converts it to a new float tensor per call)."""
+    b, S = doc_ids.shape
+    q_pos = torch.arange(S, device=doc_ids.device) if q_positions is None else q_positions
+    if doc_ids.is_cuda if flex is None else flex:
+        def mask_mod(bi, h, q_idx, kv_idx):
+            p = q_pos[q_idx]
+            return (kv_idx <= p) & (doc_ids[bi, kv_idx] == doc_ids[bi, p])
+
+        # compiled, the block mask is built without materialising [b, s_q, S] booleans
+        build = _compiled(create_block_mask) if doc_ids.is_cuda else create_block_mask
+        return build(mask_mod, b, None, len(q_pos), S, device=doc_ids.device)
+    keys = torch.arange(S, device=doc_ids.device)
+    visible = (keys <= q_pos[:, None]) & (doc_ids[:, None, :] == doc_ids[:, q_pos, None])  # [b, s_q, S]
+    return torch.zeros(visible.shape, dtype=dtype, device=doc_ids.device).masked_fill_(~visible, float("-inf"))[:, None]
+
+
+@functools.cache
+def _compiled(fn):
+    return torch.compile(fn)
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+         ) -> torch.Tensor:
+    """Causal attention, or attention under `mask` (from `document_mask`) when given."""
+    # enable_gqa lets the kernels broadcast kv heads without materialising copies.
+    gqa = q.shape[1] != k.shape[1]
+    if mask is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+    if isinstance(mask, BlockMask):
+        # Eager flex_attention materialises the scores; compiled it is one fused kernel that skips
+        # the masked blocks. Inside a compiled block the block's own graph compiles it.
+        eager = torch.compiler.is_compiling() or not q.is_cuda
+        return (flex_attention if eager else _compiled(flex_attention))(q, k, v, block_mask=mask, enable_gqa=gqa)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+
+
+class Attention(nn.Module):
+    """Base of every family's attention module (see the module docstring)."""
+
+    sdpa = staticmethod(sdpa)
+
+
