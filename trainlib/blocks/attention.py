@@ -2,8 +2,8 @@
 its kernel, and the document mask.
 
 - `Attention`: every family's attention module subclasses it and runs its kernel as
-  `self.sdpa(q, k, v, mask)` on [batch, heads, seq, head_dim] tensors, causal, or under `mask` (from
-  `document_mask`). Context parallelism finds attention modules by this class and replaces `sdpa` per
+  `self.sdpa(q, k, v, mask, scale=None)` on [batch, heads, seq, head_dim] tensors (v's head width may be
+  narrower than q's and k's), causal, or under `mask` (from `document_mask`). Context parallelism finds attention modules by this class and replaces `sdpa` per
   instance (trainlib.parallel.cp), so a family's attention must call its kernel through `self.sdpa`.
 - `document_mask`: the mask a model's `attention_mask(doc_ids, dtype, q_positions)` builds (context
   parallelism passes its query positions).
@@ -57,19 +57,23 @@ def _compiled(fn):
     return torch.compile(fn)
 
 
-def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
-         ) -> torch.Tensor:
-    """Causal attention, or attention under `mask` (from `document_mask`) when given."""
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | BlockMask | None = None, *,
+         scale: float | None = None) -> torch.Tensor:
+    """Causal attention, or attention under `mask` (from `document_mask`) when given.
+
+    q, k: [b, h, s, d_qk] (k may have fewer heads: GQA); v: [b, h_kv, s, d_v], where d_v may be narrower than
+    d_qk (MLA). `scale`: the softmax scale, default d_qk ** -0.5. Returns [b, h, s, d_v]."""
     # enable_gqa lets the kernels broadcast kv heads without materialising copies.
     gqa = q.shape[1] != k.shape[1]
     if mask is None:
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=gqa, scale=scale)
     if isinstance(mask, BlockMask):
         # Eager flex_attention materialises the scores; compiled it is one fused kernel that skips
         # the masked blocks. Inside a compiled block the block's own graph compiles it.
         eager = torch.compiler.is_compiling() or not q.is_cuda
-        return (flex_attention if eager else _compiled(flex_attention))(q, k, v, block_mask=mask, enable_gqa=gqa)
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa)
+        return (flex_attention if eager else _compiled(flex_attention))(q, k, v, block_mask=mask, enable_gqa=gqa,
+                                                                         scale=scale)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
 
 
 class Attention(nn.Module):
