@@ -94,6 +94,14 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelPar
         chunk_tokens = None
     # Autocast is a one-rank path: no pipeline split follows.
     copies = keep_low_precision_copies(model, autocast) if autocast and t.mixed_precision_weight_copy else None
+    prepare = spec.prepare_batch(args) if spec.prepare_batch else None
+    objective = spec.objective(args, cfg.model) if spec.objective else None
+    if dims.pp_enabled and (prepare or objective):
+        # the pipeline's last stage computes cross-entropy alone (its criterion), and the extra inputs would have
+        # to reach the stages that read them
+        raise ConfigError(f"model {cfg.model.name} {cfg.model.flavor} has its own objective (multi-token prediction, "
+                          f"model.mtp_depth = {getattr(args, 'mtp_depth', None)}), which does not run under pipeline "
+                          f"parallelism yet (parallelism.pp = {dims.pp}); set model.mtp_depth = 0 or parallelism.pp = 1")
     if dims.pp_enabled:  # this rank's stages, each parallelized like a whole model
         pipeline = build_pipeline(model, spec.stage_roots, dims, cfg.parallelism, device, parallelize, loss_fn)
         parts = pipeline.model_parts
@@ -104,7 +112,8 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelPar
                         cp_load_balance=par.cp_load_balance, cp_ulysses=dims.cp_ulysses,
                         document_mask=cfg.model.attn_mask == "document",
                         loss_parallel=par.tp_loss_parallel,
-                        moe_experts={i: block.args.n_experts for i, block in moe.items()})
+                        moe_experts={i: block.args.n_experts for i, block in moe.items()},
+                        prepare=prepare, objective=objective)
     if cfg.float8.enable:  # the next step's float8 scales, where FSDP gathers float8 weights
         runner.add_after_optimizer_step(partial(float8_post_optimizer_step, parts, cfg.float8))
     return ModelParts(parts, pipeline, args, n_params, loss_fn, autocast, chunk_tokens, copies, runner)

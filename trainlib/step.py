@@ -49,6 +49,10 @@ class StepRunner:
     loss_parallel: bool = True  # parallelism.tp_loss_parallel (under TP: the loss runs on vocab shards)
     # the whole model's MoE blocks, layer index -> n_experts (every pipeline stage's runner holds all of them)
     moe_experts: dict[int, int] = field(default_factory=dict)
+    # The family's hooks (trainlib.models.spec): a micro-batch of whole windows -> it with the model's extra
+    # inputs and targets (before the CP cut); (output, micro-batch, ce) -> (loss sum, {name: term sum}).
+    prepare: Callable[[dict], dict] | None = None
+    objective: Callable[..., tuple[torch.Tensor, dict]] | None = None
     _after_step: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _moe: dict[int, MoE] = field(default_factory=dict, repr=False)  # this rank's MoE blocks by layer index
     _moe_counts: torch.Tensor | None = field(default=None, repr=False)  # the last step's global counts
@@ -61,6 +65,8 @@ class StepRunner:
     def local(self, micro_batches: list[dict]) -> list[dict]:
         """The micro-batches as this rank feeds them to the model: document ids, then its CP chunks."""
         cp_mesh = self.dims.mesh("cp") if self.dims.cp_enabled else None
+        if self.prepare is not None:
+            micro_batches = [self.prepare(mb) for mb in micro_batches]
         return local_micro_batches(micro_batches, cp_mesh, self.cp_load_balance, self.document_mask, self.device,
                                    self.cp_ulysses)
 
@@ -77,15 +83,38 @@ class StepRunner:
             else:
                 (model,) = self.parts
                 loss_sum = torch.zeros((), device=self.device)
+                terms: dict[str, torch.Tensor] = {}
                 for mb in micro_batches:
                     # Autocast's weight cache would hold a bf16 copy of every weight until the loss; each is used once.
                     with self._autocast(cache_enabled=False):
-                        out = model(mb["input"].to(self.device), doc_ids=mb.get("doc_ids"))  # hidden states if chunked
-                        loss = self.loss_fn(out, mb["labels"].to(self.device)) / n_targets
+                        out = self._forward(model, mb)  # hidden states if chunked
+                        loss, mb_terms = self._loss(out, mb)
+                        loss = loss / n_targets
                     del out  # free the largest activation before backward allocates
                     loss.backward()
                     loss_sum += loss.detach()
-        return loss_sum, self._moe_aux()
+                    for name, term in mb_terms.items():
+                        terms[name] = terms.get(name, 0) + term.detach() / n_targets
+        return loss_sum, {**self._moe_aux(), **self._loss_terms(terms)}
+
+    def _forward(self, model: nn.Module, mb: dict):
+        """The model's output for micro-batch `mb` (its extra inputs from the family's `prepare_batch`)."""
+        extra = _to_device(mb.get("model_inputs", {}), self.device)
+        return model(mb["input"].to(self.device), doc_ids=mb.get("doc_ids"), **extra)
+
+    def _loss(self, out, mb: dict) -> tuple[torch.Tensor, dict]:
+        """(token-loss sum, {name: term sum}): the family's objective, or the job's cross-entropy of `labels`."""
+        if self.objective is None:
+            return self.loss_fn(out, mb["labels"].to(self.device)), {}
+        return self.objective(out, _to_device(mb, self.device), self.loss_fn)
+
+    def _loss_terms(self, terms: dict[str, torch.Tensor]) -> dict:
+        """The objective's named terms over the global batch (one all-reduce, as the loss's): {"loss_terms": ...}."""
+        if not terms:
+            return {}
+        names = sorted(terms)
+        values = self.dims.sum_loss(torch.stack([torch.as_tensor(terms[n], device=self.device) for n in names]))
+        return {"loss_terms": dict(zip(names, values))}
 
     def _take_moe_stats(self) -> torch.Tensor | None:
         """Every MoE layer's routing statistics since the last call, as one [n_layers, E + N_STATS] tensor
@@ -130,6 +159,7 @@ class StepRunner:
             if self.pipeline is not None:
                 return self.pipeline.eval(micro_batches, self.device), {}
             (model,) = self.parts
+            # the main prediction's loss: the family's extra inputs (multi-token prediction's) are not passed
             return sum(self.loss_fn(model(mb["input"].to(self.device), doc_ids=mb.get("doc_ids")),
                                     mb["labels"].to(self.device)) for mb in micro_batches), {}
 
@@ -151,14 +181,26 @@ class StepRunner:
         return torch.autocast(self.device.type, self.autocast_dtype, **kwargs)
 
 
+def _to_device(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    if isinstance(value, dict):
+        return {k: _to_device(v, device) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(_to_device(v, device) for v in value)
+    return value
+
+
 def aux_fields(aux: dict) -> dict:
     """A step's auxiliary dict as metrics.jsonl fields (host values; call at log steps only). MoE:
     `moe_aux_loss` (the sequence-wise balance loss), `moe_global_aux_loss` (the global-batch one) and
     `moe_z_loss` (the terms added to the objective, summed over layers), and per MoE layer (keyed by layer
     index) `moe_load_imbalance` (max tokens per expert / mean) and `moe_dropped_tokens` (assignments over
-    capacity)."""
+    capacity). A family objective's named terms (multi-token prediction: `mtp_loss_1`, ...) by their names:
+    each a token-loss sum over the global batch divided by its target count, as `loss` is."""
+    out = {name: float(value) for name, value in aux.get("loss_terms", {}).items()}
     if "moe_stats" not in aux:
-        return {}
+        return out
     stats, experts = aux["moe_stats"].double().cpu(), aux["moe_experts"]
     n_counts = stats.shape[1] - MoE.N_STATS
     imbalance, dropped = {}, {}
@@ -168,5 +210,5 @@ def aux_fields(aux: dict) -> dict:
         dropped[str(i)] = int(round(float(stats[i, n_counts])))
     # the columns after the counts: dropped, assigned, seq aux, z-loss, global aux (MoE.take_stats)
     seq_aux, z_loss, global_aux = (float(stats[:, n_counts + j].sum()) for j in (2, 3, 4))
-    return {"moe_aux_loss": seq_aux, "moe_z_loss": z_loss, "moe_global_aux_loss": global_aux,
+    return {**out, "moe_aux_loss": seq_aux, "moe_z_loss": z_loss, "moe_global_aux_loss": global_aux,
             "moe_load_imbalance": imbalance, "moe_dropped_tokens": dropped}

@@ -61,6 +61,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from trainlib.blocks.config import MoEArgs, MoEConfig
+from trainlib.blocks.paths import block_paths
 
 __all__ = ["GroupedExperts", "MoE", "MoEArgs", "MoEConfig", "Router", "aux_loss_scale", "moe_layers", "uncounted"]
 
@@ -380,12 +381,12 @@ class MoE(nn.Module):
 
 
 def moe_layers(parts: list[nn.Module]) -> dict[int, MoE]:
-    """The MoE blocks of a model (or of this rank's pipeline stages) by global layer index: the index is
-    the key of the `layers` ModuleDict entry that holds them."""
+    """The MoE feed-forwards of a model (or of this rank's pipeline stages) by global block index
+    (`trainlib.blocks.paths.block_paths`: decoder blocks, then extra blocks such as multi-token prediction's)."""
     out = {}
     for part in parts:
-        for name, module in part.named_modules():
-            if isinstance(module, MoE):
-                segs = name.split(".")
-                out[int(segs[segs.index("layers") + 1])] = module
+        for index, path in block_paths(part).items():
+            for module in part.get_submodule(path).modules():
+                if isinstance(module, MoE):
+                    out[index] = module
     return out

@@ -47,8 +47,18 @@ class ModelConfig:
         "help": "embedding and output rows; none = the flavor's; must be >= the tokenizer's vocabulary"})
     attn_mask: Literal["causal", "document"] = field(default="causal", metadata={
         "help": "document: no token attends across a document boundary inside a packed window (docs/data.md)"})
+    mtp_depth: int | None = field(default=None, metadata={
+        "help": "multi-token prediction depth modules (each predicts one token further); none = the flavor's; "
+                "a family without multi-token prediction takes only 0 (docs/deepseek_v3.md)"})
+    mtp_loss_weight: float = field(default=0.3, metadata={
+        "help": "lambda of the objective main + lambda * mean over depths of the MTP losses (0.3: TorchTitan's "
+                "default and the DeepSeek-V3 report's first phase, which then used 0.1; Megatron's default is 0.1)"})
 
     def __post_init__(self) -> None:
+        if self.mtp_depth is not None and self.mtp_depth < 0:
+            raise ConfigError(f"model.mtp_depth must be >= 0, got {self.mtp_depth}")
+        if not self.mtp_loss_weight >= 0:
+            raise ConfigError(f"model.mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}")
         model_args(self)  # an unknown name or flavor fails at load, naming the closest valid one
 
 

@@ -48,9 +48,19 @@ def model_args(model_cfg) -> Any:
     """The model shape a [model] recipe section (ModelConfig) asks for: its
     family's flavor with the n_layers / vocab_size overrides applied."""
     check_name(model_cfg.name)
+    overrides = {"n_layers": model_cfg.n_layers, "vocab_size": model_cfg.vocab_size}
+    depth = getattr(model_cfg, "mtp_depth", None)
+    if depth is not None:
+        if not _has_mtp(model_cfg.name):
+            if depth:
+                with_mtp = [name for name in FAMILIES if _has_mtp(name)]
+                raise ConfigError(f"model.mtp_depth = {depth}, but model.name '{model_cfg.name}' has no multi-token "
+                                  f"prediction; set model.mtp_depth = 0, or use a family that has it: "
+                                  f"{', '.join(with_mtp) or 'none'}")
+        else:
+            overrides["mtp_depth"] = depth
     if model_cfg.name not in FAMILIES:
-        spec = _registered()[model_cfg.name]
-        return spec.get_args(model_cfg.flavor, n_layers=model_cfg.n_layers, vocab_size=model_cfg.vocab_size)
+        return _registered()[model_cfg.name].get_args(model_cfg.flavor, **overrides)
     family = FAMILIES[model_cfg.name]
     if model_cfg.flavor not in family.FLAVORS:
         owners = [other.NAME for other in FAMILIES.values() if model_cfg.flavor in other.FLAVORS]
@@ -58,4 +68,11 @@ def model_args(model_cfg) -> Any:
             raise ConfigError(f"model.flavor '{model_cfg.flavor}' is a flavor of {' and '.join(owners)}, but "
                               f"model.name is '{family.NAME}'; set model.name = '{owners[0]}', or pick one of "
                               f"{family.NAME}'s flavors: {', '.join(family.FLAVORS)}")
-    return family.get_model_args(model_cfg.flavor, n_layers=model_cfg.n_layers, vocab_size=model_cfg.vocab_size)
+    return family.get_model_args(model_cfg.flavor, **overrides)
+
+
+def _has_mtp(name: str) -> bool:
+    """Whether family `name`'s shape has multi-token prediction depth (an `mtp_depth` field)."""
+    family = FAMILIES.get(name)
+    args_type = family.ModelArgs if family is not None else _registered()[name].args_type
+    return "mtp_depth" in getattr(args_type, "__dataclass_fields__", {})

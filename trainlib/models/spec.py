@@ -9,15 +9,35 @@ family's module (tests/unit/test_model_contract.py checks that from the code).
 The model protocol (what `model_cls(args, rope_len=seq_len)` builds, plain
 single-device PyTorch, built on the meta device):
   - `layers`: an nn.ModuleDict of blocks keyed by global index ("0", "1", ...),
-    each block FSDP's, AC's and compile's unit;
+    each block FSDP's, AC's, compile's and TP's unit, built by the family's
+    `make_block(args, index)` (blocks may differ by index); more blocks outside
+    `layers` (multi-token prediction's) are named by `extra_block_paths()`
+    (global index -> dotted path), and every axis finds them all through
+    `trainlib.blocks.paths.block_paths`;
   - the root modules named in `stage_roots`, which may be None on pipeline
     stages (the forward skips them), and `output_module`, an nn.Linear
     projection the chunked loss may apply itself when `output_in_forward` is
     set False;
   - every attention module subclasses `trainlib.blocks.attention.Attention` and
-    runs its kernel as `self.sdpa(q, k, v, mask)` (context parallelism routes it);
-  - `forward(tokens, position_ids=None, doc_ids=None)`, `attention_mask(doc_ids,
-    dtype, q_positions=None)`, `init_buffers(device)`, `param_init_spec(name)`.
+    runs its kernel as `self.sdpa(q, k, v, mask, scale=None)` (v may be narrower
+    than q and k; context parallelism routes it);
+  - `forward(tokens, position_ids=None, doc_ids=None, **model_inputs)`,
+    `attention_mask(doc_ids, dtype, q_positions=None)`, `init_buffers(device)`,
+    `param_init_spec(name)`.
+
+Outputs and the loss belong to the family (both optional; without them the
+model's output and the micro-batch's `labels` go to the job's cross-entropy):
+  - `prepare_batch(args)` -> None or a function of a micro-batch of whole
+    windows ({"input", "labels", "position_ids"}: [b, S] each) returning it with
+    more entries: `model_inputs` (a dict of keyword arguments for `forward`) and
+    any targets the objective reads. It runs before the batch is cut for context
+    parallelism, so shifted labels exist; every [b, S] tensor in the result (in
+    lists and dicts too) is then cut like `input`.
+  - `objective(args, model_cfg)` -> None or a function (output, micro_batch, ce)
+    -> (token-loss sum, {name: term}) where `ce(output, labels)` is the job's
+    cross-entropy sum (chunked, vocab-parallel); the step runner divides both by
+    the global batch's target count and logs each term to metrics.jsonl under
+    its name (multi-token prediction: `mtp_loss_1`, ...).
 The args dataclass has `n_layers` and `vocab_size` (the layer count a pipeline
 splits, the vocabulary the tokenizer must fit in).
 """
@@ -79,6 +99,8 @@ class ModelSpec:
                         named as its linear module and the attention scores' op "attention"; what activation
                         checkpointing reruns is counted from it
     block_shapes        (args) -> one BlockShape per block, in order: what the planner prices each block by
+    prepare_batch       (args) -> a micro-batch hook or None (the model protocol above); default None
+    objective           (args, model_cfg) -> the family's loss or None (the model protocol above); default None
     state_dict_adapter  module mapping names, layouts and config.json to and from Hugging Face
                         (`ARCHITECTURES`: the config.json architectures it reads); a weight HF stores as one
                         tensor per slice of its first dimension (an MoE layer's experts) it names by the tuple
@@ -98,3 +120,5 @@ class ModelSpec:
     block_forward_flops: Callable[[Any, int], list[tuple[str, float, bool]]]
     block_shapes: Callable[[Any], list[BlockShape]]
     state_dict_adapter: ModuleType
+    prepare_batch: Callable[[Any], Callable[[dict], dict] | None] | None = None
+    objective: Callable[[Any, Any], Callable[..., tuple[Any, dict]] | None] | None = None

@@ -34,6 +34,7 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 from torch.utils.checkpoint import CheckpointPolicy, create_selective_checkpoint_contexts
 
+from trainlib.blocks.paths import block_paths, get_block, set_block
 from trainlib.errors import ConfigError
 from trainlib.parallel.config import ActivationCheckpointConfig
 
@@ -100,7 +101,8 @@ def recomputed_flops_per_token(block_ops: list[tuple[str, float, bool]], n_layer
 
 
 def apply_ac(model: nn.Module, mode: str, *, every_k: int = 2, selective_op_policy: str = "all_mm") -> nn.Module:
-    """Wrap the blocks of `model.layers` (a ModuleDict keyed by global index) in place."""
+    """Wrap every block of `model` (`trainlib.blocks.paths.block_paths`, by global index) in place;
+    selective_layer wraps the blocks whose global index is a multiple of `every_k`."""
     if mode not in MODES:
         raise ConfigError(f"activation_checkpoint.mode '{mode}' is not one of {', '.join(MODES)}")
     if mode == "none":
@@ -109,10 +111,11 @@ def apply_ac(model: nn.Module, mode: str, *, every_k: int = 2, selective_op_poli
     kwargs: dict = dict(preserve_rng_state=False)
     if mode == "selective_op":
         kwargs["context_fn"] = _op_policy(selective_op_policy == "every_other_mm")
-    wrapped = [name for name in model.layers if mode != "selective_layer" or int(name) % every_k == 0]
-    for name in wrapped:
-        model.layers[name] = checkpoint_wrapper(model.layers[name], **kwargs)
+    paths = block_paths(model)
+    wrapped = [i for i in paths if mode != "selective_layer" or i % every_k == 0]
+    for i in wrapped:
+        set_block(model, paths[i], checkpoint_wrapper(get_block(model, paths[i]), **kwargs))
     policy = f" ({selective_op_policy})" if mode == "selective_op" else ""
-    logger.info(f"activation checkpointing {mode}{policy}: blocks {', '.join(wrapped) or 'none'} "
-                f"of {len(model.layers)}")
+    logger.info(f"activation checkpointing {mode}{policy}: blocks {', '.join(map(str, wrapped)) or 'none'} "
+                f"of {len(paths)}")
     return model

@@ -25,20 +25,21 @@ from torch import nn
 from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import CheckpointWrapper
 
 from trainlib.blocks.moe import MoE
-
+from trainlib.blocks.paths import block_paths, get_block, set_block
 from trainlib.parallel.config import CompileConfig
 
 
 def apply_compile(model: nn.Module, *, backend: str = "inductor") -> nn.Module:
-    """Replace each block of `model.layers` by its compiled wrapper, in place."""
-    for name, block in list(model.layers.items()):
+    """Replace each block of `model` (`trainlib.blocks.paths.block_paths`) by its compiled wrapper, in place."""
+    for path in block_paths(model).values():
+        block = get_block(model, path)
         # fullgraph: a graph break inside a block would silently cost speed; an MoE block has its one, on purpose.
         if not any(isinstance(m, MoE) for m in block.modules()):
-            model.layers[name] = torch.compile(block, backend=backend, fullgraph=True)
+            set_block(model, path, torch.compile(block, backend=backend, fullgraph=True))
         elif isinstance(block, CheckpointWrapper):
             block._checkpoint_wrapped_module = torch.compile(block._checkpoint_wrapped_module, backend=backend)
         else:
-            model.layers[name] = torch.compile(block, backend=backend)
+            set_block(model, path, torch.compile(block, backend=backend))
     return model
 
 

@@ -135,12 +135,22 @@ def local_micro_batches(micro_batches: list[dict], cp_mesh: DeviceMesh | None, l
 
 def shard_batch(batch: dict[str, torch.Tensor], cp_mesh: DeviceMesh,
                 load_balance: bool = True, ulysses: int = 1) -> dict[str, torch.Tensor]:
-    """Cut every [b, seq] tensor of a micro-batch (input, labels, position_ids)
-    to this cp rank's chunks. Ranks of one cp group load the same batch.
-    `doc_ids` stays whole: every rank's queries are masked against all keys."""
+    """Cut every [b, seq] tensor of a micro-batch (input, labels, position_ids,
+    and those a family's `prepare_batch` added, in lists and dicts too) to this
+    cp rank's chunks. Ranks of one cp group load the same batch. `doc_ids`
+    stays whole: every rank's queries are masked against all keys."""
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
-    return {key: t if key == "doc_ids" else shard_sequence(t, cp, rank, load_balance, dim=1, ulysses=ulysses)
-            for key, t in batch.items()}
+
+    def cut(value):
+        if isinstance(value, torch.Tensor):
+            return shard_sequence(value, cp, rank, load_balance, dim=1, ulysses=ulysses)
+        if isinstance(value, dict):
+            return {k: cut(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(cut(v) for v in value)
+        return value
+
+    return {key: value if key == "doc_ids" else cut(value) for key, value in batch.items()}
 
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single

@@ -9,6 +9,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 from trainlib.blocks.moe import GroupedExperts
+from trainlib.blocks.paths import block_paths, get_block
 
 
 def apply_fsdp(
@@ -41,7 +42,8 @@ def apply_fsdp(
     # Pinned memory needs an accelerator; on CPU-only hosts FSDP refuses it.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
-    for block in model.layers.values():
+    for path in block_paths(model).values():
+        block = get_block(model, path)
         if expert_mesh is not None:
             for module in block.modules():
                 if isinstance(module, GroupedExperts):

@@ -38,6 +38,7 @@ from torch.distributed.tensor.parallel import (
 )
 from torch.distributed.tensor.parallel import loss_parallel as _loss_parallel
 
+from trainlib.blocks.paths import block_paths, get_block
 from trainlib.errors import ConfigError
 from trainlib.params import retie, shared_parameters
 
@@ -48,7 +49,8 @@ class TPPlan:
 
     `root` paths are relative to the model (a module that is None, as on
     pipeline stages that do not own it, is skipped); `block` paths are
-    relative to each block of `model.layers`. The family builds it with the
+    relative to each block (`trainlib.blocks.paths.block_paths`: the decoder blocks and any
+    extra ones, such as multi-token prediction's). The family builds it with the
     styles below (`activation_layout`, `norm_style`, ...) or any torch style;
     `apply_tp` applies it. Parameters shared by two modules (tied embeddings)
     stay shared when both styles shard them alike."""
@@ -68,7 +70,8 @@ def apply_tp(model: nn.Module, tp_mesh: DeviceMesh, plan: TPPlan, *, async_tp: b
     root = {path: style for path, style in plan.root.items() if _has_module(model, path)}
     if root:
         parallelize_module(model, tp_mesh, root)
-    for block in model.layers.values():  # blocks may differ (dense and MoE): each takes the entries it has
+    for path in block_paths(model).values():  # blocks may differ (dense and MoE): each takes the entries it has
+        block = get_block(model, path)
         parallelize_module(block, tp_mesh, {path: style for path, style in plan.block.items()
                                             if _has_module(block, path)})
     retie(model, tied)
