@@ -23,7 +23,7 @@ from trainlib.float8 import (check_float8_hardware, convert_float8, filter_patte
 from trainlib.loss import chunked_cross_entropy_sum, cross_entropy_sum, resolve_chunk_tokens
 from trainlib.models import count_params
 from trainlib.blocks.moe import moe_layers
-from trainlib.models.registry import get_model_spec, model_args
+from trainlib.models.registry import ResolvedModel, resolve_model
 from trainlib.parallel.compile import maybe_compile_loss
 from trainlib.parallel.mixed_precision import autocast_dtype, fsdp_wraps
 from trainlib.parallel.parallel_dims import ParallelDims
@@ -51,15 +51,17 @@ class ModelParts:
     runner: StepRunner | None = None
 
 
-def build_model_parts(cfg, dims: ParallelDims, device: torch.device) -> ModelParts:
-    """Build the model of a JobConfig for this rank of `dims` (whose mesh is built).
+def build_model_parts(cfg, dims: ParallelDims, device: torch.device, resolved: ResolvedModel | None = None
+                      ) -> ModelParts:
+    """Build the model of a JobConfig for this rank of `dims` (whose mesh is built); `resolved`: cfg.model
+    resolved (`trainlib.models.registry.resolve_model`), resolved here when not given.
 
     Order: the registry entry of `model.name` builds the model on the meta
     device; float8 swaps linears (so TP/AC/compile/FSDP wrap the swapped
     modules); under PP the model is split into this rank's stages; each
     stage (or the whole model) is parallelized by the family's function."""
-    spec = get_model_spec(cfg.model.name)
-    args = model_args(cfg.model)
+    resolved = resolved or resolve_model(cfg.model)
+    spec, args = resolved.spec, resolved.args
     t = cfg.training
     with torch.device("meta"):
         model = spec.model_cls(args, rope_len=t.seq_len)

@@ -92,7 +92,7 @@ from trainlib.guard import Guard
 from trainlib.loss import count_targets
 from trainlib.metrics import MetricsLogger, setup_logging
 from trainlib.plan.core import refuse_unless_fits
-from trainlib.models.registry import get_model_spec, model_args
+from trainlib.models.registry import ResolvedModel, resolve_model
 from trainlib.optim import build_lr_scheduler, build_optimizer, implementation_of
 from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
 from trainlib.profiling import GarbageCollection, Profiler
@@ -148,7 +148,8 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     step runs, as a ConfigError whose message says what to change."""
     dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
     tokenizer = build_tokenizer(cfg.tokenizer)
-    validate_job(cfg, dims, model_args(cfg.model), tokenizer.vocab_size)
+    model = resolve_model(cfg.model)  # the family and its shape, resolved once for the whole job
+    validate_job(cfg, dims, model, tokenizer.vocab_size)
     validate_machine(cfg, info.device)
     local_bs, grad_accum = resolve_local_batch_size(cfg, dims)
     dims.build_mesh(info.device.type)
@@ -167,15 +168,15 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     if refused is not None:
         raise ConfigError(refused)
     try:
-        return _build_job(cfg, info, dims, tokenizer, local_bs, grad_accum, run_dir, lock)
+        return _build_job(cfg, info, dims, model, tokenizer, local_bs, grad_accum, run_dir, lock)
     except BaseException:  # the folder is free again for the next launch of this process (a retry, a test)
         if lock is not None:
             lock.close()
         raise
 
 
-def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, tokenizer, local_bs: int, grad_accum: int,
-               run_dir: Path, lock: RunLock | None) -> Job:
+def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, model: ResolvedModel, tokenizer, local_bs: int,
+               grad_accum: int, run_dir: Path, lock: RunLock | None) -> Job:
     """`setup` from the run folder on, once this launch holds it."""
     t = cfg.training
     if info.rank == 0:
@@ -183,7 +184,7 @@ def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, tokenizer, lo
 
     dp_rank, dp_world = dims.dp_coords()  # the data's refusals come before the memory check's, which may follow from them
     loader = build_dataloader(cfg.data, tokenizer, t.seq_len, local_bs, dp_rank, dp_world, t.seed)
-    built = build_model_parts(cfg, dims, info.device)  # meta build, float8, PP split, parallelize
+    built = build_model_parts(cfg, dims, info.device, model)  # meta build, float8, PP split, parallelize
     refuse_unless_fits(cfg, dims, built, local_bs, grad_accum, info.device)  # before anything is allocated
     for part in built.parts:  # FSDP's CPU offload wants its parameter shards materialised on the CPU
         init_model_weights(part, t.seed, info.device, "cpu" if cfg.parallelism.fsdp_cpu_offload else None)
@@ -200,7 +201,7 @@ def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, tokenizer, lo
     start_step = checkpointer.load()
     validator = build_validator(cfg.validation, tokenizer, t.seq_len, local_bs, grad_accum, t.seed, built.runner)
     profiler = Profiler(cfg.profiling, run_dir, info.rank, info.device, start_step)
-    flops = get_model_spec(cfg.model.name).flops_per_token(built.model_args, t.seq_len)
+    flops = model.spec.flops_per_token(model.args, t.seq_len)
     metrics = MetricsLogger(cfg.metrics, run_dir, rank=info.rank, device=info.device, flops_per_token=flops,
                             world_size=info.world_size, float8=cfg.float8.enable, start_step=start_step,
                             total_steps=t.steps, tokens_seen=checkpointer.train_state.tokens_seen,

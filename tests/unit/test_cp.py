@@ -81,6 +81,7 @@ def _validate(**overrides):
     from trainlib.config import load_job_config
     from trainlib.config.validate import validate_job
     from trainlib.models.llama3 import get_model_args
+    from trainlib.models.registry import ResolvedModel, get_model_spec
     from trainlib.parallel import ParallelDims
 
     cfg = load_job_config(str(RECIPE), [f"--{k}={v}" for k, v in overrides.items()])
@@ -88,7 +89,7 @@ def _validate(**overrides):
     dims = ParallelDims(dp_replicate=p.dp_replicate, dp_shard=p.dp_shard, cp=p.cp, tp=p.tp, pp=p.pp,
                         world_size=p.dp_replicate * max(p.dp_shard, 1) * p.cp * p.tp * p.pp,
                         cp_ulysses=p.ulysses_degree)
-    validate_job(cfg, dims, get_model_args("debug"), 256)
+    validate_job(cfg, dims, ResolvedModel(get_model_spec("llama3"), get_model_args("debug")), 256)
 
 
 def test_seq_len_must_split_into_2cp_chunks():

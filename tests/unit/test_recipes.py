@@ -7,7 +7,7 @@ import pytest
 from tests.helpers import RECIPES
 from trainlib.config import ConfigError, load_job_config, resolve_recipe
 from trainlib.config.validate import resolve_local_batch_size, validate_job
-from trainlib.models.registry import model_args
+from trainlib.models.registry import model_args, resolve_model
 from trainlib.parallel import ParallelDims
 
 RECIPE_FILES = sorted(p.name for p in RECIPES.glob("*.toml"))
@@ -118,4 +118,4 @@ def test_batch_that_does_not_split_over_the_data_ranks_names_that_rule():
     # validate_job (what a hand-written loop and the planner call) applies the batch rules too
     with pytest.raises(ConfigError, match=r"^training.global_batch_size \(6\) must be divisible"):
         cfg = load_job_config(None, ["--training.global_batch_size=6"])
-        validate_job(cfg, dims, model_args(cfg.model), 256)
+        validate_job(cfg, dims, resolve_model(cfg.model), 256)

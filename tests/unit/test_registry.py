@@ -6,7 +6,7 @@ import pytest
 
 from trainlib.config import ConfigError, load_job_config
 from trainlib.models import registry
-from trainlib.models.registry import model_args
+from trainlib.models.registry import model_args, resolve_model
 from trainlib.plan import make_plan
 from trainlib.train import train
 
@@ -47,12 +47,12 @@ def test_a_shape_the_parallel_degrees_cannot_split_is_one_line_naming_the_family
                                  "--parallelism.dp_shard=1"])
     with pytest.raises(ConfigError, match=r"^model n_heads \(40\) must be divisible by parallelism.tp \(16\): each TP "
                                           r"rank owns 1/tp of them; choose tp dividing 40$"):
-        validate_job(cfg, ParallelDims(world_size=16, dp_shard=1, tp=16), model_args(cfg.model), 256)
+        validate_job(cfg, ParallelDims(world_size=16, dp_shard=1, tp=16), resolve_model(cfg.model), 256)
     cfg = load_job_config(None, ["--model.name=qwen3", "--model.flavor=qwen3_1.7b", "--parallelism.pp=2",
                                  "--parallelism.dp_shard=1"])
     with pytest.raises(ConfigError, match=r"^this Qwen3 flavor ties the embedding and output weights, .*\(pp=2\); "
                                           r"use pp=1 with it"):
-        validate_job(cfg, ParallelDims(world_size=2, dp_shard=1, pp=2), model_args(cfg.model), 256)
+        validate_job(cfg, ParallelDims(world_size=2, dp_shard=1, pp=2), resolve_model(cfg.model), 256)
 
 
 def test_model_args_applies_the_shape_overrides():

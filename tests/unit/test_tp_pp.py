@@ -10,7 +10,7 @@ from trainlib import compat
 from trainlib.config import ConfigError, load_job_config
 from trainlib.config.validate import validate_job, validate_machine
 from trainlib.models.llama3 import Transformer, get_model_args
-from trainlib.models.registry import get_model_spec
+from trainlib.models.registry import ResolvedModel, get_model_spec
 from trainlib.parallel import ParallelDims
 from trainlib.parallel import pp as pp_lib
 from trainlib.parallel.config import ParallelismConfig
@@ -26,6 +26,10 @@ def test_even_split_gives_the_remainder_to_middle_stages():
     assert pp_lib.layers_per_stage(5, 4) == [1, 2, 1, 1]
     assert pp_lib.layers_per_stage(6, 3, [1, 3, 2]) == [1, 3, 2]
 
+
+
+def _llama(args) -> ResolvedModel:
+    return ResolvedModel(get_model_spec("llama3"), args)
 
 def test_stage_placement_loop_and_v():
     assert [pp_lib.stage_ids(r, 2, 2, "Interleaved1F1B") for r in range(2)] == [[0, 2], [1, 3]]
@@ -51,7 +55,7 @@ def _validate(world, *overrides):
     par = cfg.parallelism
     dims = ParallelDims(world_size=world, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, cp=par.cp,
                         tp=par.tp, pp=par.pp)
-    validate_job(cfg, dims, get_model_args("debug"), 256)
+    validate_job(cfg, dims, _llama(get_model_args("debug")), 256)
     return cfg, dims
 
 
@@ -104,10 +108,10 @@ def test_tied_embeddings_are_refused_under_pp_only():
     dims = ParallelDims(world_size=2, dp_shard=1, pp=2)
     with pytest.raises(ConfigError, match=r"^this Llama flavor ties the embedding and output weights, which live on "
                                           r"the first and last pipeline stages \(pp=2\); use pp=1 with it"):
-        validate_job(cfg, dims, tied, 256)
-    validate_job(cfg, dims, get_model_args("debug"), 256)
+        validate_job(cfg, dims, _llama(tied), 256)
+    validate_job(cfg, dims, _llama(get_model_args("debug")), 256)
     cfg = load_job_config(DEBUG, ["--parallelism.dp_shard=1", "--parallelism.tp=2"])
-    validate_job(cfg, ParallelDims(world_size=2, dp_shard=1, tp=2), tied, 256)
+    validate_job(cfg, ParallelDims(world_size=2, dp_shard=1, tp=2), _llama(tied), 256)
 
 
 @pytest.mark.parametrize("schedule", pp_lib.V_SCHEDULES)
@@ -168,7 +172,7 @@ def test_llama3_recipes_pass_the_tp_pp_rules(recipe, world, degrees):
     par = cfg.parallelism
     dims = ParallelDims(world_size=world, dp_replicate=par.dp_replicate, dp_shard=par.dp_shard, cp=par.cp,
                         tp=par.tp, pp=par.pp)
-    validate_job(cfg, dims, get_model_args(cfg.model.flavor), 128256)
+    validate_job(cfg, dims, _llama(get_model_args(cfg.model.flavor)), 128256)
     assert {k: dims.degrees()[k] for k in degrees} == degrees
 
 

@@ -18,7 +18,7 @@ import torch
 from trainlib import compat
 from trainlib.config.job import JobConfig
 from trainlib.config.loader import ConfigError
-from trainlib.models.registry import get_model_spec
+from trainlib.models.registry import ResolvedModel
 from trainlib.parallel.mixed_precision import autocast_dtype, fsdp_wraps
 from trainlib.parallel.parallel_dims import ParallelDims
 
@@ -43,7 +43,9 @@ def resolve_local_batch_size(cfg: JobConfig, dims: ParallelDims) -> tuple[int, i
     return lbs, gbs // (lbs * dp)
 
 
-def validate_job(cfg: JobConfig, dims: ParallelDims, model_args, tokenizer_vocab: int) -> None:
+def validate_job(cfg: JobConfig, dims: ParallelDims, model: ResolvedModel, tokenizer_vocab: int) -> None:
+    """Every cross-field rule of a job (one-line ConfigErrors); `model`: the job's resolved [model] section."""
+    model_args = model.args
     if tokenizer_vocab > model_args.vocab_size:
         raise ConfigError(
             f"tokenizer vocabulary ({tokenizer_vocab}) is larger than the model's vocab_size "
@@ -59,12 +61,12 @@ def validate_job(cfg: JobConfig, dims: ParallelDims, model_args, tokenizer_vocab
         if getattr(cfg.training, key) == "rollback" and not cfg.checkpoint.enable:
             raise ConfigError(f"training.{key} = 'rollback' reloads the last checkpoint, but checkpoint.enable is "
                               f"false; enable checkpoints or pick 'skip' or 'stop'")
-    _validate_tp_pp(cfg, dims, model_args)
-    _validate_cp(cfg, dims, model_args)
+    _validate_tp_pp(cfg, dims, model)
+    _validate_cp(cfg, dims, model)
     _validate_cpu_offload(cfg, dims)
     _validate_moe(cfg, dims, model_args)
     if cfg.model.attn_mask == "document":
-        forward = get_model_spec(cfg.model.name).model_cls.forward
+        forward = model.spec.model_cls.forward
         if "doc_ids" not in inspect.signature(forward).parameters:
             raise ConfigError(
                 f"model.attn_mask = 'document' needs a model whose forward takes doc_ids, and model.name "
@@ -117,12 +119,13 @@ def validate_machine(cfg: JobConfig, device: torch.device) -> None:
                           f"split (e.g. Interleaved1F1B)")
 
 
-def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args) -> None:
+def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model: ResolvedModel) -> None:
     """Tensor- and pipeline-parallel rules (trainlib.parallel.tp / .pp)."""
     from trainlib.parallel import pp as pp_lib
 
     par, tp = cfg.parallelism, dims.tp
-    get_model_spec(cfg.model.name).validate(model_args, dims.degrees(), cfg.training.seq_len)
+    model_args = model.args
+    model.spec.validate(model_args, dims.degrees(), cfg.training.seq_len)
     if dims.tp_enabled:
         if par.tp_sequence_parallel and cfg.training.seq_len % tp:
             raise ConfigError(
@@ -184,7 +187,7 @@ def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model_args) -> None:
             f"on torch 2.13 (loss off by ~2e-2 from step 2); use 'default' (False under PP) or 'never'")
 
 
-def _validate_cp(cfg: JobConfig, dims: ParallelDims, model_args) -> None:
+def _validate_cp(cfg: JobConfig, dims: ParallelDims, model: ResolvedModel) -> None:
     if dims.cp == 1:
         return
     par, seq = cfg.parallelism, cfg.training.seq_len
@@ -206,7 +209,7 @@ def _validate_cp(cfg: JobConfig, dims: ParallelDims, model_args) -> None:
     if u == 1:
         return
     degree = "cp" if u == dims.cp else "cp_ulysses"
-    for i, block in enumerate(get_model_spec(cfg.model.name).block_shapes(model_args)):
+    for i, block in enumerate(model.spec.block_shapes(model.args)):
         heads = block.n_heads // dims.tp
         if heads % u:
             fits = [d for d in range(2, dims.cp) if dims.cp % d == 0 and heads % d == 0]

@@ -9,11 +9,14 @@ need no torch, are in `flavors.py` (a family is added to both).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Any
+
 from trainlib.models import llama3, qwen3, qwen3_moe
 from trainlib.models.flavors import DEFAULT_MODEL, check_name, model_args
 from trainlib.models.spec import ModelSpec
 
-__all__ = ["DEFAULT_MODEL", "MODELS", "get_model_spec", "model_args"]
+__all__ = ["DEFAULT_MODEL", "MODELS", "ResolvedModel", "get_model_spec", "model_args", "resolve_model"]
 
 MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (
     llama3.SPEC,
@@ -26,3 +29,18 @@ def get_model_spec(name: str) -> ModelSpec:
     """The family registered as `name`; an unknown name is one line naming the closest one."""
     check_name(name)
     return MODELS[name]
+
+
+@dataclass(frozen=True)
+class ResolvedModel:
+    """A [model] section resolved once: the family's spec and the args of its flavor with the overrides.
+    The job resolves it at start-up and passes it along (validation, build, metrics), so nothing below the
+    command line looks a family up by name again."""
+
+    spec: ModelSpec
+    args: Any
+
+
+def resolve_model(model_cfg) -> ResolvedModel:
+    """The family and shape a [model] section (ModelConfig) names; bad names are one-line ConfigErrors."""
+    return ResolvedModel(get_model_spec(model_cfg.name), model_args(model_cfg))

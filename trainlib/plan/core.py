@@ -573,15 +573,16 @@ def load_job(recipe: str | None, world_size: int, gpu: str = "h100", overrides: 
     checks; raises ConfigError with the job's one-line message for a bad layout."""
     from trainlib.config import ConfigError, load_job_config
     from trainlib.config.validate import resolve_local_batch_size, validate_job
-    from trainlib.models.registry import model_args
+    from trainlib.models.registry import resolve_model
     from trainlib.parallel import ParallelDims
 
     if gpu not in GPUS:
         raise ConfigError(f"--gpu '{gpu}' is unknown; valid: {', '.join(GPUS)}")
     cfg = load_job_config(recipe, [o if o.startswith("--") else f"--{o}" for o in (overrides or [])])
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    args = model_args(cfg.model)
-    validate_job(cfg, dims, args, _tokenizer_vocab(cfg, args))
+    model = resolve_model(cfg.model)
+    args = model.args
+    validate_job(cfg, dims, model, _tokenizer_vocab(cfg, args))
     local_bs, grad_accum = resolve_local_batch_size(cfg, dims)
     return Job(recipe, world_size, gpu, {**ASSUMPTIONS, **(assumptions or {})}, cfg, dims, args, local_bs,
                grad_accum)
