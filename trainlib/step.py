@@ -77,13 +77,13 @@ class StepRunner:
         micro_batches = self.local(micro_batches)
         for block in self._moe.values():  # what an evaluation routed since the last step is not this step's
             block.take_stats()
+        terms: dict[str, torch.Tensor] = {}  # the family objective's named terms (none under a pipeline)
         with self._loss_context(), aux_loss_scale(1.0 / n_targets):  # MoE auxiliary losses weigh like tokens
             if self.pipeline is not None:
                 loss_sum = self.pipeline.step(micro_batches, n_targets, self.device)
             else:
                 (model,) = self.parts
                 loss_sum = torch.zeros((), device=self.device)
-                terms: dict[str, torch.Tensor] = {}
                 for mb in micro_batches:
                     # Autocast's weight cache would hold a bf16 copy of every weight until the loss; each is used once.
                     with self._autocast(cache_enabled=False):
