@@ -98,14 +98,9 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device, resolved: R
     copies = keep_low_precision_copies(model, autocast) if autocast and t.mixed_precision_weight_copy else None
     prepare = spec.prepare_batch(args) if spec.prepare_batch else None
     objective = spec.objective(args, cfg.model) if spec.objective else None
-    if dims.pp_enabled and (prepare or objective):
-        # the pipeline's last stage computes cross-entropy alone (its criterion), and the extra inputs would have
-        # to reach the stages that read them
-        raise ConfigError(f"model {cfg.model.name} {cfg.model.flavor} has its own objective (multi-token prediction, "
-                          f"model.mtp_depth = {getattr(args, 'mtp_depth', None)}), which does not run under pipeline "
-                          f"parallelism yet (parallelism.pp = {dims.pp}); set model.mtp_depth = 0 or parallelism.pp = 1")
     if dims.pp_enabled:  # this rank's stages, each parallelized like a whole model
-        pipeline = build_pipeline(model, spec.stage_roots, dims, cfg.parallelism, device, parallelize, loss_fn)
+        pipeline = build_pipeline(model, spec.stage_roots, dims, cfg.parallelism, device, parallelize, loss_fn,
+                                  objective)
         parts = pipeline.model_parts
     else:
         pipeline, parts = None, [parallelize(model)]

@@ -77,10 +77,12 @@ class StepRunner:
         micro_batches = self.local(micro_batches)
         for block in self._moe.values():  # what an evaluation routed since the last step is not this step's
             block.take_stats()
-        terms: dict[str, torch.Tensor] = {}  # the family objective's named terms (none under a pipeline)
+        terms: dict[str, torch.Tensor] = {}  # the family objective's named terms (this rank's share)
         with self._loss_context(), aux_loss_scale(1.0 / n_targets):  # MoE auxiliary losses weigh like tokens
             if self.pipeline is not None:
                 loss_sum = self.pipeline.step(micro_batches, n_targets, self.device)
+                terms = self.pipeline.take_terms()
+                self.pipeline.sum_stage_copies()  # a root held by the first and the last stage: one gradient
             else:
                 (model,) = self.parts
                 loss_sum = torch.zeros((), device=self.device)
@@ -109,11 +111,13 @@ class StepRunner:
         return self.objective(out, _to_device(mb, self.device), self.loss_fn)
 
     def _loss_terms(self, terms: dict[str, torch.Tensor]) -> dict:
-        """The objective's named terms over the global batch (one all-reduce, as the loss's): {"loss_terms": ...}."""
-        if not terms:
+        """The objective's named terms over the global batch (one all-reduce, as the loss's): {"loss_terms": ...}.
+        Every rank takes part, with zeros where it holds none (pipeline stages before the last)."""
+        names = getattr(self.objective, "term_names", ())
+        if not names:
             return {}
-        names = sorted(terms)
-        values = self.dims.sum_loss(torch.stack([torch.as_tensor(terms[n], device=self.device) for n in names]))
+        values = self.dims.sum_loss(torch.stack([torch.as_tensor(terms.get(n, 0.0), device=self.device,
+                                                                 dtype=torch.float32) for n in names]))
         return {"loss_terms": dict(zip(names, values))}
 
     def _take_moe_stats(self) -> torch.Tensor | None:
@@ -162,6 +166,11 @@ class StepRunner:
             # the main prediction's loss: the family's extra inputs (multi-token prediction's) are not passed
             return sum(self.loss_fn(model(mb["input"].to(self.device), doc_ids=mb.get("doc_ids")),
                                     mb["labels"].to(self.device)) for mb in micro_batches), {}
+
+    def stage_copies(self) -> list[nn.Parameter]:
+        """Parameters that copy another's under a pipeline (`Pipeline.stage_copy_params`): the gradient norm
+        counts them once (`clip_grad_norm_(copies=...)`)."""
+        return self.pipeline.stage_copy_params() if self.pipeline is not None else []
 
     def add_after_optimizer_step(self, hook: Callable[[], None]) -> None:
         """Run `hook` after every optimizer step (`after_optimizer_step`)."""

@@ -259,7 +259,7 @@ def train_loop(job: Job) -> list[dict]:
         loss_share, aux = forward_backward(job, micro_batches, n_targets)  # aux: an MoE's routing values
         loss = job.dims.sum_loss(loss_share)
         grad_norm = clip_grad_norm_([p for m in job.model_parts for p in m.parameters()], t.max_norm, pp_mesh,
-                                    optimizer=job.optimizer)
+                                    optimizer=job.optimizer, copies=job.runner.stage_copies())
         if job.guard.check(step, loss, grad_norm):  # judged on the device; False: a skip the host knows of
             job.optimizer.step()
         job.runner.after_optimizer_step()  # float8's next scales (an MoE router's bias next)

@@ -35,8 +35,8 @@ def test_the_loop_runs_the_after_step_hooks_once_per_optimizer_step(tmp_path, mo
 
     calls, build = [], train_module.build_model_parts
 
-    def build_with_a_hook(cfg, dims, device):
-        built = build(cfg, dims, device)
+    def build_with_a_hook(cfg, dims, device, resolved=None):
+        built = build(cfg, dims, device, resolved)
         built.runner.add_after_optimizer_step(lambda: calls.append(built.runner.parts[0].layers["0"]
                                                                      .attention.wq.weight.detach().clone()))
         return built

@@ -109,7 +109,7 @@ class DecoderLM(nn.Module):
         across ranks); when given, attention is document-causal. Returns
         logits [b, s, vocab] (or hidden states on a non-last pipeline stage,
         or when `output_in_forward` is False)."""
-        h = self.tok_embeddings(tokens) if self.tok_embeddings is not None else tokens
+        h = self.embed(tokens)
         # built once per forward, shared by every block
         mask = self.attention_mask(doc_ids, h.dtype) if doc_ids is not None else None
         # The whole table is passed down and sliced in Attention, where the
@@ -120,6 +120,13 @@ class DecoderLM(nn.Module):
             h = layer(h, rope, mask)
         h = self.norm(h) if self.norm is not None else h
         return self.output(h) if self.output is not None and self.output_in_forward else h
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Token ids through the embedding; a later pipeline stage's input (hidden states) as it is, also on a
+        last stage that holds a copy of the embedding (trainlib.parallel.pp's stage copies)."""
+        if self.tok_embeddings is None or tokens.is_floating_point():
+            return tokens
+        return self.tok_embeddings(tokens)
 
     def attention_mask(self, doc_ids: torch.Tensor, dtype: torch.dtype,
                        q_positions: torch.Tensor | None = None) -> torch.Tensor | BlockMask:

@@ -78,4 +78,5 @@ def mtp_objective(depth: int, weight: float) -> Callable | None:
             total = total + (weight / depth) * loss
         return total, terms
 
+    objective.term_names = [f"mtp_loss_{k}" for k in range(1, depth + 1)]  # what every rank reduces (step.py)
     return objective

@@ -37,7 +37,11 @@ model's output and the micro-batch's `labels` go to the job's cross-entropy):
     -> (token-loss sum, {name: term}) where `ce(output, labels)` is the job's
     cross-entropy sum (chunked, vocab-parallel); the step runner divides both by
     the global batch's target count and logs each term to metrics.jsonl under
-    its name (multi-token prediction: `mtp_loss_1`, ...).
+    its name (multi-token prediction: `mtp_loss_1`, ...), which the function
+    lists as its `term_names` attribute (every rank reduces them, pipeline
+    stages without the loss included). Under pipeline parallelism it runs on
+    the last stage; a first-stage root the last stage needs too (the shared
+    embedding) the model names in `last_stage_copies()` (trainlib.parallel.pp).
 The args dataclass has `n_layers` and `vocab_size` (the layer count a pipeline
 splits, the vocabulary the tokenizer must fit in).
 """

@@ -16,7 +16,7 @@ from trainlib.optim import fused_on
 @torch.no_grad()
 def clip_grad_norm_(
     params: Iterable[torch.Tensor], max_norm: float, pp_mesh: DeviceMesh | None = None, *,
-    optimizer: torch.optim.Optimizer | None = None,
+    optimizer: torch.optim.Optimizer | None = None, copies: Iterable[torch.Tensor] = (),
 ) -> torch.Tensor:
     """Clip gradients by their global L2 norm and return that norm (a plain tensor).
 
@@ -25,7 +25,10 @@ def clip_grad_norm_(
     combine their meshes' norms (`total_norm`). A pipeline stage only holds its own layers, so the
     squared norms of all stages are summed over `pp_mesh` too; clipping per
     stage would give each stage a different scale and a different model.
-    `max_norm <= 0` measures without clipping.
+    `max_norm <= 0` measures without clipping. `copies`: parameters that are
+    a second copy of another's (a pipeline's last-stage copy of a first-stage
+    root, with the same summed gradient: trainlib.parallel.pp), clipped but
+    left out of the norm, so a shared weight counts once.
 
     Pending-sum (`Partial`) gradients, which TP leaves on the weights of
     sequence-parallel norms when no FSDP reduces them, are summed first
@@ -43,8 +46,10 @@ def clip_grad_norm_(
     resolve_partial_grads(params)
     shard_grads_like_params(params)
     grads = [p.grad for p in params]
-    if grads:
-        norm = total_norm(grads)
+    skip = {id(p) for p in copies}
+    counted = [p.grad for p in params if id(p) not in skip]
+    if counted:
+        norm = total_norm(counted)
     else:
         norm = torch.zeros((), device=_device_of(pp_mesh))
     if pp_mesh is not None and pp_mesh.size() > 1:

@@ -13,6 +13,14 @@ Stage placement: with S stages per rank over P ranks there are P*S stages.
 Interleaved1F1B, LoopedBFS, InterleavedZeroBubble with S>=1); "V" placement
 (ZBVZeroBubble, DualPipeV, S=2) puts stages r and 2P-1-r on rank r, so the
 first and last stage share rank 0.
+
+Stage copies. A model may need a first-stage root module on the last stage too
+(multi-token prediction embeds shifted tokens with the shared embedding
+there): it names them in `last_stage_copies()`. The last stage then holds its
+own copy, initialised alike (by name), and after every backward the two
+copies' gradients are summed on both (`Pipeline.sum_stage_copies`), so both
+take the same optimizer step and stay equal: the gradient of one shared
+weight. The gradient norm counts the copy once (`stage_copy_params`).
 """
 
 from __future__ import annotations
@@ -100,12 +108,25 @@ def split_stage(model: nn.Module, first_layer: int, n_layers: int, is_first: boo
     buffers, e.g. the RoPE table) is copied."""
     keep = nn.ModuleDict({str(i): model.layers[str(i)] for i in range(first_layer, first_layer + n_layers)})
     owned = {"layers": keep}
-    owned.update({name: getattr(model, name) if is_first else None for name in roots.first})
-    owned.update({name: getattr(model, name) if is_last else None for name in roots.last})
+    copies = last_stage_copies(model)
+    for name in dict.fromkeys((*roots.first, *roots.last)):
+        module = getattr(model, name)
+        if (is_first and name in roots.first) or (is_last and name in roots.last):
+            owned[name] = module
+        elif is_last and name in copies:  # its own copy: the first stage's may be on this rank too (V placement)
+            owned[name] = copy.deepcopy(module)
+        else:
+            owned[name] = None
     # deepcopy consults `memo` before copying an object: the children map to
     # themselves (shared) or to None (not on this stage).
     memo = {id(getattr(model, name)): module for name, module in owned.items()}
     return copy.deepcopy(model, memo)
+
+
+def last_stage_copies(model: nn.Module) -> tuple[str, ...]:
+    """The first-stage root modules `model` needs on its last stage too (its `last_stage_copies()`)."""
+    names = getattr(model, "last_stage_copies", None)
+    return tuple(names()) if names is not None else ()
 
 
 @functools.cache
@@ -144,13 +165,61 @@ class Pipeline:
     n_microbatches: int  # schedule runs per local micro-batch of the loop
     owners: list[int]  # pipeline rank of each stage, in stage order
     criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum
+    # The family's objective (trainlib.models.spec): (output, micro-batch, ce) -> (loss sum, {name: term}); the
+    # last stage gets its targets packed into one tensor (`_pack_targets`), since a schedule passes one target.
+    objective: Callable | None = None
+    copies: tuple[str, ...] = ()  # first-stage roots the last stage holds a copy of (`last_stage_copies`)
     _n_targets: torch.Tensor | None = field(default=None, repr=False)
+    _layout: list | None = field(default=None, repr=False)
+    _terms: dict = field(default_factory=dict, repr=False)
 
-    def loss_fn(self, output: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    def loss_fn(self, output, target: torch.Tensor) -> torch.Tensor:
         # Per pipeline micro-batch, divided by the token count of the whole
         # global batch: the sum over micro-batches and ranks is the global mean,
         # as without PP. Hence the schedule is built with scale_grads=False.
-        return self.criterion(output, labels) / self._n_targets
+        if self.objective is None:
+            return self.criterion(output, target) / self._n_targets
+        loss, terms = self.objective(output, _unpack_targets(target, self._layout), self.criterion)
+        for name, term in terms.items():
+            self._terms[name] = self._terms.get(name, 0) + term.detach() / self._n_targets
+        return loss / self._n_targets
+
+    def take_terms(self) -> dict:
+        """The objective's named terms since the last call (this rank's share; {} off the last stage)."""
+        terms, self._terms = self._terms, {}
+        return terms
+
+    def stage_copy_params(self) -> list[nn.Parameter]:
+        """The parameters of this rank's last-stage copies (counted once by the gradient norm)."""
+        return [p for part, stage in zip(self.model_parts, self.stages) if stage.is_last and not stage.is_first
+                for name in self.copies for p in getattr(part, name).parameters()]
+
+    @torch.no_grad()
+    def sum_stage_copies(self) -> None:
+        """Give each stage-copied root's parameters, on the first stage and on the last stage's copy, the sum
+        of both gradients (every rank calls it; the owners of the first and last stage act)."""
+        if not self.copies:
+            return
+        first = {s.stage_index: part for part, s in zip(self.model_parts, self.stages)}.get(0)
+        last = {s.stage_index: part for part, s in zip(self.model_parts, self.stages)}.get(len(self.owners) - 1)
+        if first is None and last is None:
+            return
+        group = self.stages[0].group
+        for name in self.copies:
+            mine = [_local(p.grad) for p in getattr(first if first is not None else last, name).parameters()]
+            if first is not None and last is not None:  # both on this rank (V placement)
+                for g, other in zip(mine, [_local(p.grad) for p in getattr(last, name).parameters()], strict=True):
+                    g += other
+                    other.copy_(g)
+                continue
+            peer = self.owners[-1] if first is not None else self.owners[0]
+            theirs = [torch.empty_like(g) for g in mine]
+            works = [dist.isend(g.contiguous(), group=group, group_dst=peer) for g in mine]
+            works += [dist.irecv(t, group=group, group_src=peer) for t in theirs]
+            for w in works:
+                w.wait()
+            for g, t in zip(mine, theirs):
+                g += t
 
     def step(self, micro_batches: list[dict], n_targets: torch.Tensor, device: torch.device) -> torch.Tensor:
         """Forward + backward of the micro-batches (one schedule run each);
@@ -161,10 +230,16 @@ class Pipeline:
             # contiguous: torch 2.11's first stage refuses an input whose strides differ from the ones it
             # planned (a custom loop's tokens[:, :-1] of [b, seq + 1] windows); a no-op for the loaders' batches.
             args = (mb["input"].to(device).contiguous(),) if self.has_first else ()
-            labels = mb["labels"].to(device) if self.has_last else None
+            labels = None
+            if self.has_last:
+                labels = mb["labels"].to(device)
+                if self.objective is not None:
+                    labels, self._layout = _pack_targets(mb, device)
             # Keyword arguments of `step` reach every stage's forward (split by micro-batch
-            # like the input), on every rank: so every stage masks by document.
+            # like the input), on every rank: so every stage masks by document, and the
+            # family's extra inputs (multi-token prediction's) reach the stage that reads them.
             kwargs = {"doc_ids": mb["doc_ids"].to(device)} if "doc_ids" in mb else {}
+            kwargs.update({k: _to(v, device) for k, v in mb.get("model_inputs", {}).items()})
             losses: list[torch.Tensor] = []
             self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
             if self.has_last:
@@ -199,6 +274,45 @@ class Pipeline:
         return loss_sum
 
 
+_NOT_TARGETS = ("input", "position_ids", "doc_ids", "model_inputs")
+
+
+def _pack_targets(mb: dict, device: torch.device) -> tuple[torch.Tensor, list]:
+    """A micro-batch's targets (`labels`, then the other entries a family's prepare_batch added: [b, s]
+    tensors or lists of them) stacked into one [b, n, s] tensor, and the layout to unpack them."""
+    keys = ["labels", *sorted(k for k in mb if k not in _NOT_TARGETS and k != "labels")]
+    layout, leaves = [], []
+    for key in keys:
+        value = mb[key]
+        if isinstance(value, torch.Tensor):
+            layout.append((key, None))
+            leaves.append(value)
+        else:
+            layout.append((key, len(value)))
+            leaves.extend(value)
+    return torch.stack([t.to(device) for t in leaves], dim=1), layout
+
+
+def _unpack_targets(packed: torch.Tensor, layout: list) -> dict:
+    out, i = {}, 0
+    for key, n in layout:
+        if n is None:
+            out[key], i = packed[:, i], i + 1
+        else:
+            out[key], i = list(packed[:, i:i + n].unbind(1)), i + n
+    return out
+
+
+def _to(value, device: torch.device):
+    if isinstance(value, torch.Tensor):
+        return value.to(device)
+    return type(value)(_to(v, device) for v in value)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _HEADER = 8  # dtype, ndim, shape
 
@@ -231,10 +345,12 @@ def pipeline_stages(
     device: torch.device,
     parallelize: Callable[[nn.Module], nn.Module],
     criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
+    objective: Callable | None = None,
 ) -> Pipeline:
     """Split `model` (meta device) into this rank's stages, parallelize each
     with `parallelize`, and build the schedule. Weights are initialised
-    afterwards, per stage, by the caller (`init_model_weights`)."""
+    afterwards, per stage, by the caller (`init_model_weights`). `objective`:
+    the family's loss (trainlib.models.spec), run on the last stage."""
     pp, pp_rank = pp_mesh.size(), pp_mesh.get_local_rank()
     n_stages = pp * n_stages_per_rank
     starts = [sum(layer_counts[:i]) for i in range(n_stages)]
@@ -247,7 +363,8 @@ def pipeline_stages(
     owners = {sid: rank for rank in range(pp) for sid in stage_ids(rank, pp, n_stages_per_rank, schedule)}
     pipe = Pipeline(None, stages, parts, has_first=any(s.is_first for s in stages),
                     has_last=any(s.is_last for s in stages), n_microbatches=n_microbatches,
-                    owners=[owners[sid] for sid in range(n_stages)], criterion=criterion)
+                    owners=[owners[sid] for sid in range(n_stages)], criterion=criterion, objective=objective,
+                    copies=last_stage_copies(model))
     cls = schedule_class(schedule)
     sched_stages = stages[0] if schedule in SINGLE_STAGE_SCHEDULES else stages
     # torch's own setup rules for the schedules are checked first, as user errors, by validate_job.
@@ -257,7 +374,8 @@ def pipeline_stages(
 
 def build_pipeline(model: nn.Module, roots, parallel_dims, parallelism, device: torch.device,
                    parallelize: Callable[[nn.Module], nn.Module],
-                   criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum) -> Pipeline:
+                   criterion: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = cross_entropy_sum,
+                   objective: Callable | None = None) -> Pipeline:
     """`pipeline_stages` with the recipe's [parallelism] settings (validated by `validate_job`)."""
     sched = parallelism.pp_schedule
     per_rank = stages_per_rank(sched, parallelism.pp_stages_per_rank)
@@ -266,5 +384,5 @@ def build_pipeline(model: nn.Module, roots, parallel_dims, parallelism, device: 
         model, parallel_dims.mesh("pp"), roots=roots, schedule=sched,
         n_microbatches=parallelism.pp_microbatches or n_stages, n_stages_per_rank=per_rank,
         layer_counts=layers_per_stage(len(model.layers), n_stages, parallelism.pp_layers_per_stage),
-        device=device, parallelize=parallelize, criterion=criterion,
+        device=device, parallelize=parallelize, criterion=criterion, objective=objective,
     )
