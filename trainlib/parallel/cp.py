@@ -47,6 +47,7 @@ that the all-to-all reassembles each all-gather rank's part
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.distributed as dist
@@ -58,7 +59,7 @@ from trainlib.data import document_ids
 from trainlib.blocks.attention import Attention
 from trainlib.parallel.ulysses import ulysses_sdpa
 
-__all__ = ["apply_cp", "chunk_ids", "cp_sdpa", "layout_positions", "local_micro_batches", "shard_batch", "shard_sequence", "unshard_sequence"]
+__all__ = ["apply_cp", "chunk_ids", "cp_sdpa", "gather_kv", "layout_positions", "local_micro_batches", "shard_batch", "shard_sequence", "unshard_sequence"]
 
 
 def chunk_ids(cp: int, rank: int, load_balance: bool = True) -> list[int]:
@@ -206,18 +207,22 @@ class _PrefixCausalAttention(torch.autograd.Function):
     keys (causal)], without materialising a mask: two flash calls merged by
     their log-sum-exp. Backward runs the flash backward of each part with the
     merged output and log-sum-exp, which is exactly the gradient of the whole
-    (the same identity ring attention relies on)."""
+    (the same identity ring attention relies on). `scale`: the softmax scale
+    (None: the kernel's d ** -0.5); both parts use it, so their log-sum-exps
+    merge as they are. q, k and v share one head width here (the kernel's
+    rule; `cp_sdpa` pads a narrower v)."""
 
     @staticmethod
-    def forward(ctx, q, k_pre, v_pre, k_diag, v_diag):
-        out, lse = _FLASH_CPU(q, k_diag, v_diag, 0.0, True)
+    def forward(ctx, q, k_pre, v_pre, k_diag, v_diag, scale):
+        out, lse = _FLASH_CPU(q, k_diag, v_diag, 0.0, True, scale=scale)
         if k_pre.shape[2]:
-            out_pre, lse_pre = _FLASH_CPU(q, k_pre, v_pre, 0.0, False)
+            out_pre, lse_pre = _FLASH_CPU(q, k_pre, v_pre, 0.0, False, scale=scale)
             merged = torch.logaddexp(lse, lse_pre)
             acc = torch.promote_types(q.dtype, torch.float32)  # merge bf16 parts in fp32
             out = ((out.to(acc) * (lse - merged).exp().unsqueeze(-1))
                    + (out_pre.to(acc) * (lse_pre - merged).exp().unsqueeze(-1))).to(q.dtype)
             lse = merged
+        ctx.scale = scale
         ctx.save_for_backward(q, k_pre, v_pre, k_diag, v_diag, out, lse)
         return out
 
@@ -225,12 +230,13 @@ class _PrefixCausalAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k_pre, v_pre, k_diag, v_diag, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        dq, dk_diag, dv_diag = _FLASH_CPU_BWD(grad_out, q, k_diag, v_diag, out, lse, 0.0, True)
+        dq, dk_diag, dv_diag = _FLASH_CPU_BWD(grad_out, q, k_diag, v_diag, out, lse, 0.0, True, scale=ctx.scale)
         dk_pre = dv_pre = None
         if k_pre.shape[2]:
-            dq_pre, dk_pre, dv_pre = _FLASH_CPU_BWD(grad_out, q, k_pre, v_pre, out, lse, 0.0, False)
+            dq_pre, dk_pre, dv_pre = _FLASH_CPU_BWD(grad_out, q, k_pre, v_pre, out, lse, 0.0, False,
+                                                    scale=ctx.scale)
             dq = dq + dq_pre
-        return dq, dk_pre, dv_pre, dk_diag, dv_diag
+        return dq, dk_pre, dv_pre, dk_diag, dv_diag, None
 
 
 class _MaskCache:
@@ -254,29 +260,76 @@ class _MaskCache:
         return mask
 
 
-def cp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, group: dist.ProcessGroup, cp: int,
-            rank: int, load_balance: bool = True, masks: _MaskCache | None = None, kernel: str = "auto",
-            attend=None) -> torch.Tensor:
+def gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, cp: int,
+              load_balance: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the whole sequence from every rank's chunks, in one all-gather.
+
+    k: [b, h_kv, s_local, d_k], v: [b, h_kv, s_local, d_v]. Equal widths are
+    stacked ([2, ...], as before MLA: bitwise the same); unequal ones (MLA:
+    d_k = nope + rope, d_v narrower) are concatenated on the last dim
+    ([.., d_k + d_v]) and split after the gather. Either way each rank sends
+    exactly K and V, d_k + d_v elements per KV head and token, in one
+    collective each way (the reduce-scatter of dK and dV is fused the same
+    way), so every family runs the same collectives per block and the planner
+    counts them alike. Two collectives would send the same bytes in twice the
+    launches and skip the copy into the send buffer. Measured on 2 gloo ranks
+    (fp32, 8 KV heads, d 192 | 128, forward + backward of the gather alone,
+    best of 30, /tmp bench, not a test): s_local 64, one 3.5 ms, two 6.7 ms;
+    s_local 512, one 55 ms, two 15 ms; s_local 2048, one 480 ms, two 92 ms.
+    The large cases measure gloo more than the choice: its all-gather of
+    [1, 8, 2048, d] fp32 takes 10 ms at d 128, 13 at 192, 61 at 256 and 126
+    at 320, superlinear past ~16 MB, and GQA's stacked K/V crosses the same
+    line. On CPU the sequences trainlib trains (tests, debug runs) are in the
+    small regime; on GPUs (NCCL, not measured here) the bytes, identical
+    either way, set the time."""
+    if k.shape[-1] == v.shape[-1]:
+        k_full, v_full = _GatherSequence.apply(torch.stack([k, v]), group, cp, load_balance).unbind(0)
+        return k_full, v_full
+    kv = _GatherSequence.apply(torch.cat([k, v], dim=-1), group, cp, load_balance)
+    k_full, v_full = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+    return k_full, v_full
+
+
+def cp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, scale: float | None = None,
+            group: dist.ProcessGroup, cp: int, rank: int, load_balance: bool = True, masks: _MaskCache | None = None,
+            kernel: str = "auto", attend=None) -> torch.Tensor:
     """Causal attention of this rank's query chunks over the whole sequence.
 
-    q: [b, h, s_local, d]; k, v: [b, h_kv, s_local, d] (h_kv may divide h: GQA),
-    all in the layout of `shard_sequence`. Returns [b, h, s_local, d], equal to
-    this rank's rows of full causal SDPA. `kernel`: "lse" (CPU: flash parts
-    merged by log-sum-exp, no mask), "mask" (any device: one masked SDPA per
-    chunk) or "auto" (lse where available).
+    q: [b, h, s_local, d_qk]; k: [b, h_kv, s_local, d_qk] (h_kv may divide h:
+    GQA); v: [b, h_kv, s_local, d_v], d_v may be narrower than d_qk (MLA); all
+    in the layout of `shard_sequence`. `scale`: the softmax scale (None:
+    d_qk ** -0.5), as `trainlib.blocks.attention.sdpa` takes it. Returns
+    [b, h, s_local, d_v], equal to this rank's rows of full causal SDPA.
+    `kernel`: "lse" (CPU: flash parts merged by log-sum-exp, no mask), "mask"
+    (any device: one masked SDPA per chunk) or "auto" (lse where available).
+    CPU's flash kernel takes one head width for q, k and v; where v is
+    narrower the lse kernel zero-pads the gathered V to d_qk (scores and
+    log-sum-exp do not read V; the output's padded columns are zero and are
+    sliced off, and the slice's backward feeds zero gradients to them, so dV
+    is the slice of the padded one: exact) at the cost of keeping the padded
+    V for backward ((d_qk - d_v) / d_v more than V; MLA: half). A v wider
+    than q and k pads q and k instead (zero columns add nothing to a score),
+    with the scale pinned to d_qk ** -0.5.
     With `mask` (a document mask of this rank's query rows over all keys, from
     the model's `attention_mask` as `apply_cp` rebinds it), the result is
-    `attend(q, K, V, mask)` on the gathered K/V: the model's own masked kernel.
+    `attend(q, K, V, mask, scale=scale)` on the gathered K/V: the model's own
+    masked kernel.
     """
-    # one collective for K and V together
-    k_full, v_full = _GatherSequence.apply(torch.stack([k, v]), group, cp, load_balance).unbind(0)
+    k_full, v_full = gather_kv(k, v, group, cp, load_balance)
     if mask is not None:
-        return attend(q, k_full, v_full, mask)
+        return attend(q, k_full, v_full, mask, scale=scale)
     ids = chunk_ids(cp, rank, load_balance)
     c = q.shape[2] // len(ids)
     gqa = q.shape[1] != k.shape[1]
     if kernel == "auto":
         kernel = "lse" if q.device.type == "cpu" and _FLASH_CPU is not None else "mask"
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    if kernel == "lse" and d_qk != d_v:  # the flash kernel's one head width: zero columns (see above)
+        width = max(d_qk, d_v)
+        if d_qk < width:
+            scale = 1 / math.sqrt(d_qk) if scale is None else scale
+            q, k_full = (F.pad(t, (0, width - d_qk)) for t in (q, k_full))
+        v_full = F.pad(v_full, (0, width - d_v))
     masks = masks or _MaskCache()
     outs = []
     for j, g in enumerate(ids):
@@ -284,15 +337,17 @@ def cp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, gro
         lo, hi = g * c, (g + 1) * c
         if kernel == "lse":
             out = _PrefixCausalAttention.apply(qj, k_full[:, :, :lo], v_full[:, :, :lo],
-                                               k_full[:, :, lo:hi], v_full[:, :, lo:hi])
+                                               k_full[:, :, lo:hi], v_full[:, :, lo:hi], scale)
         elif g == 0:  # square: the fused causal path, no mask
             out = F.scaled_dot_product_attention(qj, k_full[:, :, :hi], v_full[:, :, :hi], is_causal=True,
-                                                 enable_gqa=gqa)
+                                                 enable_gqa=gqa, scale=scale)
         else:
             out = F.scaled_dot_product_attention(qj, k_full[:, :, :hi], v_full[:, :, :hi],
-                                                 attn_mask=masks.get(g, c, q.device, q.dtype), enable_gqa=gqa)
+                                                 attn_mask=masks.get(g, c, q.device, q.dtype), enable_gqa=gqa,
+                                                 scale=scale)
         outs.append(out)
-    return torch.cat(outs, dim=2)
+    out = torch.cat(outs, dim=2)
+    return out if out.shape[-1] == d_v else out[..., :d_v]
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool = True, ulysses: int = 1,
