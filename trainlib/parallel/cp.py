@@ -166,7 +166,7 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        slots = _global_to_slots(grad, ctx.cp, ctx.load_balance).flatten(0, 1).contiguous()
+        slots = _global_to_slots(grad, ctx.cp, ctx.load_balance).flatten(0, 1)
         out = grad.new_empty((slots.shape[0] // ctx.cp, *slots.shape[1:]))
         _reduce_scatter_single(out, slots, group=ctx.group)
         return out, None, None, None
@@ -178,21 +178,23 @@ def _slot_order(cp: int, load_balance: bool) -> list[int]:
 
 
 def _slots_to_global(slots: torch.Tensor, cp: int, load_balance: bool) -> torch.Tensor:
-    # slots: [cp, ..., s_local, d] -> [..., S, d]
+    # slots: [cp, ..., s_local, d] -> [..., S, d], the chunks concatenated in global order (one copy)
     order = _slot_order(cp, load_balance)
     k = len(order) // cp
-    by_slot = slots.unflatten(-2, (k, -1)).movedim(0, -4).flatten(-4, -3)  # [..., cp*k, C, d]
-    inverse = torch.empty(len(order), dtype=torch.long)
-    inverse[torch.tensor(order)] = torch.arange(len(order))
-    return by_slot.index_select(-3, inverse.to(slots.device)).flatten(-3, -2)
+    parts = slots.unflatten(-2, (k, -1))  # [cp, ..., k, C, d]
+    slot_of = {g: i for i, g in enumerate(order)}
+    return torch.cat([parts[slot_of[g] // k, ..., slot_of[g] % k, :, :] for g in range(len(order))], dim=-2)
 
 
 def _global_to_slots(x: torch.Tensor, cp: int, load_balance: bool) -> torch.Tensor:
+    # x: [..., S, d] -> contiguous [cp, ..., s_local, d], each rank's chunks in its local order (one copy)
     order = _slot_order(cp, load_balance)
     k = len(order) // cp
-    by_chunk = x.unflatten(-2, (len(order), -1))  # [..., n_chunks, C, d]
-    by_slot = by_chunk.index_select(-3, torch.tensor(order, device=x.device))
-    return by_slot.unflatten(-3, (cp, k)).movedim(-4, 0).flatten(-3, -2)  # [cp, ..., s_local, d]
+    chunks = x.chunk(len(order), dim=-2)
+    out = x.new_empty((cp, *x.shape[:-2], k, x.shape[-2] // len(order), x.shape[-1]))
+    for i, g in enumerate(order):
+        out[i // k, ..., i % k, :, :].copy_(chunks[g])
+    return out.flatten(-3, -2)
 
 
 # CPU flash attention with its log-sum-exp (private aten ops, stable since
