@@ -23,11 +23,15 @@ chunk is one masked public SDPA call (also exact; the additive mask costs
 C x (g+1)*C elements per local chunk, shared by all layers). torch's own
 experimental `context_parallel` has no CPU SDPA handler in torch 2.13.
 
-Per layer and micro-batch, each rank receives (cp-1)/cp * 2*b*S*n_kv_heads*head_dim
-elements in forward (all-gather of K and V) and sends as many in backward
-(reduce-scatter of dK, dV); nothing else is communicated. Memory per rank:
-activations of S/cp tokens plus the gathered K/V (2*b*S*n_kv_heads*head_dim per
-layer, kept for backward).
+Per layer and micro-batch, each rank receives (cp-1)/cp * b*S*n_kv_heads*(d_k + d_v)
+elements in forward (one all-gather of K and V; d_k = d_v = head_dim under
+GQA, d_k = nope + rope and d_v narrower under MLA) and sends as many in
+backward (one reduce-scatter of dK, dV); nothing else is communicated.
+Memory per rank: activations of S/cp tokens plus the gathered K/V
+(b*S*n_kv_heads*(d_k + d_v) per layer, kept for backward; the CPU kernel with
+d_v < d_k keeps K and a V zero-padded to d_k instead, 2*d_k per head and token).
+The softmax scale a module passes (`self.sdpa(q, k, v, mask, scale=s)`)
+reaches every kernel below, the model's own included.
 
 Document masking (`model.attn_mask = "document"`): the document ids of the
 whole window stay whole (`shard_batch` does not cut them), and the model's
@@ -275,15 +279,16 @@ def gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, cp: in
     way), so every family runs the same collectives per block and the planner
     counts them alike. Two collectives would send the same bytes in twice the
     launches and skip the copy into the send buffer. Measured on 2 gloo ranks
-    (fp32, 8 KV heads, d 192 | 128, forward + backward of the gather alone,
-    best of 30, /tmp bench, not a test): s_local 64, one 3.5 ms, two 6.7 ms;
-    s_local 512, one 55 ms, two 15 ms; s_local 2048, one 480 ms, two 92 ms.
-    The large cases measure gloo more than the choice: its all-gather of
-    [1, 8, 2048, d] fp32 takes 10 ms at d 128, 13 at 192, 61 at 256 and 126
-    at 320, superlinear past ~16 MB, and GQA's stacked K/V crosses the same
-    line. On CPU the sequences trainlib trains (tests, debug runs) are in the
-    small regime; on GPUs (NCCL, not measured here) the bytes, identical
-    either way, set the time."""
+    (fp32, 8 KV heads, d_k 192, d_v 128, forward + backward of the gather
+    alone, best of 30): s_local 64, one 3.5 ms, two 6.7 ms; s_local 512, one
+    55 ms, two 15 ms; s_local 2048, one 480 ms, two 92 ms. The larger cases
+    measure gloo more than the choice: its all-gather and reduce-scatter slow
+    down several-fold once a rank's message passes a few MB (s_local 512:
+    all-gather 1.4 ms at d 128, 2.6 at 192, 11.7 at 320; reduce-scatter 1.8,
+    3.3, 24.5), a line GQA's stacked K and V cross as well. CPU runs of
+    trainlib (tests, debug recipes) sit in the small regime; on GPUs (NCCL,
+    not measured here) the bytes, the same either way, set the time and one
+    launch saves a launch's latency."""
     if k.shape[-1] == v.shape[-1]:
         k_full, v_full = _GatherSequence.apply(torch.stack([k, v]), group, cp, load_balance).unbind(0)
         return k_full, v_full
@@ -309,7 +314,8 @@ def cp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, sca
     log-sum-exp do not read V; the output's padded columns are zero and are
     sliced off, and the slice's backward feeds zero gradients to them, so dV
     is the slice of the padded one: exact) at the cost of keeping the padded
-    V for backward ((d_qk - d_v) / d_v more than V; MLA: half). A v wider
+    V for backward (K and V kept: 2 d_qk wide instead of d_qk + d_v; MLA 384
+    against 320). A v wider
     than q and k pads q and k instead (zero columns add nothing to a score),
     with the scale pinned to d_qk ** -0.5.
     With `mask` (a document mask of this rank's query rows over all keys, from
@@ -328,6 +334,7 @@ def cp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, sca
     d_qk, d_v = q.shape[-1], v.shape[-1]
     if kernel == "lse" and d_qk != d_v:  # the flash kernel's one head width: zero columns (see above)
         width = max(d_qk, d_v)
+        k_full = k_full.contiguous()  # its own storage: the gathered [.., d_k + d_v] buffer is not kept
         if d_qk < width:
             scale = 1 / math.sqrt(d_qk) if scale is None else scale
             q, k_full = (F.pad(t, (0, width - d_qk)) for t in (q, k_full))
@@ -367,7 +374,10 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool = True
     Every attention module (a subclass of `trainlib.blocks.attention.Attention`,
     the model contract) has its `sdpa` kernel replaced per instance (the model
     file stays single-device); the replaced one stays the kernel for document
-    masks and for Ulysses. A forward pre-hook on the model supplies
+    masks and for Ulysses. The kernels compose as `attend(q, k, v, mask,
+    scale=s)` callables (Ulysses around the all-gather around the module's
+    own kernel), so the scale a module passes reaches the innermost kernel,
+    and v may be narrower than q and k at every layer. A forward pre-hook on the model supplies
     `position_ids` (this rank's window positions) whenever the caller passes
     none, so every caller, pipeline stages included, gets the right RoPE
     without threading positions through; the model's `attention_mask` is

@@ -13,13 +13,20 @@ refuses otherwise). Key/value heads that do not (GQA with few KV heads) are
 replicated first to lcm(h_kv, u) heads; query head i keeps reading a copy of
 its own KV head, and the backward of the copy sums the copies' gradients.
 
-Communication per layer and micro-batch: each rank sends (u-1)/u of its
-q, k, v (h + 2 h_kv' heads of s_local tokens) in forward and of the output
-(h heads) after attention, and as much again in backward; the volume per rank
-falls as 1/u with the sequence it holds, unlike the all-gather of K/V
-(trainlib.parallel.cp), which grows with the whole sequence.
+Widths. q and k share a head width d_k, v and the output may be narrower
+(d_v: MLA). q, k and v still move in one all-to-all: with one width they are
+concatenated on heads, otherwise each rank's slot of each tensor is flattened
+and the slots concatenated (the same bytes; the copy into the send buffer was
+paid already). The softmax scale (`scale=`) passes through to the kernel.
 
-`ulysses_sdpa(..., attend=...)` calls `attend(q, k, v, mask)` on the
+Communication per layer and micro-batch: each rank sends (u-1)/u of its
+q, k, v (h + h_kv' heads of d_k and h_kv' heads of d_v, s_local tokens) in
+forward and of the output (h heads of d_v) after attention, and as much again
+in backward: (u-1)/u * s_local * (h + h_kv') * (d_k + d_v) elements each way.
+The volume per rank falls as 1/u with the sequence it holds, unlike the
+all-gather of K/V (trainlib.parallel.cp), which grows with the whole sequence.
+
+`ulysses_sdpa(..., attend=...)` calls `attend(q, k, v, mask, scale=scale)` on the
 head-sharded tensors: the model's kernel for Ulysses alone, and for hybrid CP
 the all-gather kernel over the outer group (trainlib.parallel.cp.apply_cp
 composes them).
