@@ -6,7 +6,7 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from tests.distributed.test_cp import MLA_SCALE, assert_matches, mla_inputs, mla_reference
+from tests.distributed.test_cp import MLA_SCALE, assert_matches, mla_block_shape, mla_inputs, mla_reference
 from tests.helpers import doc_ids_from_starts, per_document_attention, spawn
 from trainlib.blocks.attention import Attention, document_mask
 from trainlib.parallel.cp import shard_sequence
@@ -177,9 +177,14 @@ def _mla_shaped_ulysses_and_hybrid(rank, world):
     """q/k 24 wide, v 16, GQA and a non-default scale through apply_cp's composition (the module calls
     `self.sdpa(q, k, v, mask, scale=s)`): Ulysses cp = 2 (inside (2, 2); KV heads 1, replicated) and
     hybrid 2 x 2 (4 ranks; the all-to-all, then the all-gather, then the module's own kernel), causal and
-    document-masked, equal the single-process kernel's output and gradients (float64)."""
+    document-masked, equal the single-process kernel's output and gradients (float64); the collectives
+    send the bytes the planner prices for that BlockShape."""
+    from types import SimpleNamespace
+
+    from tests.helpers import BytesSent
     from trainlib.parallel import ParallelDims
     from trainlib.parallel.cp import apply_cp
+    from trainlib.plan.comm import cp_bytes, ulysses_bytes
 
     doc_ids = doc_ids_from_starts([[0, 5, 6, 19], [0, 27]], 32)
     hybrid = ParallelDims(dp_shard=1, cp=world, world_size=world, cp_ulysses=2)
@@ -197,9 +202,19 @@ def _mla_shaped_ulysses_and_hybrid(rank, world):
             want = mla_reference(q, k, v, dout, None if docs is None else document_mask(docs, torch.float64,
                                                                                          flex=False))
             local = [mine(t).requires_grad_() for t in (q, k, v)]
-            out = model(*local, doc_ids=docs)
-            out.backward(mine(dout))
+            with BytesSent(2) as sent:  # both of hybrid's groups have 2 ranks
+                out = model(*local, doc_ids=docs)
+                out.backward(mine(dout))
             assert out.shape[-1] == 16
+            shape = SimpleNamespace(block=mla_block_shape(4, kv_heads), tp=1, cp=cp, cp_ulysses=u, elem=8,
+                                    mb_tokens=local[0].shape[0] * local[0].shape[2])
+            none = SimpleNamespace(mode="none", every_k=1)
+            assert sent.bytes_by_kind["all_to_all"] == ulysses_bytes(shape, none, 1), (name, sent.bytes_by_kind)
+            if cp > u:
+                kv = sent.bytes_by_kind["all_gather"] + sent.bytes_by_kind["reduce_scatter"]
+                assert kv == cp_bytes(shape, none, 1), (name, sent.bytes_by_kind)
+            assert sent.counts == ({"all_to_all": 4} | ({"all_gather": 1, "reduce_scatter": 1} if cp > u else {})), \
+                (name, sent.counts)
             assert_matches([out.detach()] + [t.grad for t in local], want, mine,
                            f"{name} docs={docs is not None} rank={rank}")
 
