@@ -205,3 +205,86 @@ def test_attention_and_grads_match_sdpa():
     })
 
 
+
+
+# ------------------------------------------------------- MLA-shaped attention (issue 51)
+# q/k 24 wide, v 16 (MLA's nope + rope against its value width), GQA, and a softmax scale that is not
+# the default 24 ** -0.5 (MLA's carries YaRN's mscale): every CP kernel against the single-process kernel.
+MLA_SCALE = 0.37
+
+
+def mla_inputs(seq, heads, kv_heads, seed, dtype=torch.float64):
+    """q, k, v, dout of the whole sequence: q/k width 24, v (and the output) width 16."""
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(2, n, seq, d, generator=g, dtype=dtype)
+            for n, d in ((heads, 24), (kv_heads, 24), (kv_heads, 16), (heads, 16))]
+
+
+def mla_reference(q, k, v, dout, mask=None, scale=MLA_SCALE):
+    """Single-process `trainlib.blocks.attention.sdpa` on the whole sequence: output and dq/dk/dv."""
+    from trainlib.blocks.attention import sdpa
+
+    ins = [t.clone().requires_grad_() for t in (q, k, v)]
+    out = sdpa(*ins, mask, scale=scale)
+    out.backward(dout)
+    return [out.detach()] + [t.grad for t in ins]
+
+
+def mla_block_shape(heads, kv_heads):
+    """The planner's description of that attention: q/k heads 24 wide, v heads 16."""
+    from trainlib.models.spec import BlockShape
+
+    return BlockShape(dim=96, n_heads=heads, n_kv_heads=kv_heads, head_dim=24, ffn_dim=0, v_head_dim=16)
+
+
+def assert_matches(got, want, mine, what):
+    """got: (out, dq, dk, dv) of this rank; want: the whole sequence's, cut by `mine`."""
+    for name, x, r in zip(("out", "dq", "dk", "dv"), got, want):
+        torch.testing.assert_close(x, mine(r), msg=lambda m, w=f"{name} {what}": f"{w}: {m}")
+
+
+def _mla_shaped_all_gather(rank, world):
+    """cp_sdpa at cp = 2 (inside (2, 2)) with v narrower than q and k and a non-default scale: both
+    kernels causal, both layouts, and under a document mask (the model's masked kernel on the gathered
+    K/V), equal the single-process kernel's output and gradients (float64); K and V move in one
+    all-gather and one reduce-scatter of the bytes the planner prices for that BlockShape."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from tests.helpers import doc_ids_from_starts
+    from trainlib.blocks.attention import document_mask, sdpa
+    from trainlib.parallel.cp import cp_sdpa, layout_positions
+    from trainlib.plan.comm import cp_bytes
+
+    mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "cp"))["cp"]
+    group, cp_rank = mesh.get_group(), mesh.get_local_rank()
+    q, k, v, dout = mla_inputs(32, 4, 2, seed=5)
+    doc_ids = doc_ids_from_starts([[0, 3, 4, 17], [0, 9, 24]], 32)
+    full_mask = document_mask(doc_ids, torch.float64, flex=False)
+    causal_ref, doc_ref = mla_reference(q, k, v, dout), mla_reference(q, k, v, dout, full_mask)
+    assert (causal_ref[0] - mla_reference(q, k, v, dout, scale=None)[0]).abs().max() > 0.1  # the scale matters
+    for load_balance in (True, False):
+        def mine(t):
+            return shard_sequence(t, 2, cp_rank, load_balance, dim=2)
+
+        q_pos = layout_positions(32, 2, cp_rank, load_balance)
+        for kernel in ("lse", "mask", "document"):
+            local = [mine(t).requires_grad_() for t in (q, k, v)]
+            mask = document_mask(doc_ids, torch.float64, q_pos, flex=False) if kernel == "document" else None
+            with BytesSent(2) as sent:
+                out = cp_sdpa(*local, mask, scale=MLA_SCALE, group=group, cp=2, rank=cp_rank,
+                              load_balance=load_balance, kernel="auto" if kernel == "document" else kernel,
+                              attend=sdpa)
+                out.backward(mine(dout))
+            assert out.shape[-1] == 16
+            assert sent.counts == {"all_gather": 1, "reduce_scatter": 1}, sent.counts
+            shape = SimpleNamespace(block=mla_block_shape(4, 2), tp=1, cp=2, cp_ulysses=1, elem=8,
+                                    mb_tokens=local[0].shape[0] * local[0].shape[2])
+            assert sent.bytes == cp_bytes(shape, SimpleNamespace(mode="none", every_k=1), 1), sent.bytes
+            assert_matches([out.detach()] + [t.grad for t in local], doc_ref if mask is not None else causal_ref,
+                           mine, f"{kernel} lb={load_balance} rank={rank}")
+
+
+def test_mla_shaped_attention_matches_single_process():
+    """All-gather CP with q/k 24 wide, v 16, GQA 4/2 and scale 0.37: output and dq/dk/dv equal
+    `trainlib.blocks.attention.sdpa(..., scale=0.37)` on the whole sequence (float64)."""
+    spawn(_mla_shaped_all_gather, 4)

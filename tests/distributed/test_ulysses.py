@@ -6,7 +6,9 @@ import functools
 import torch
 import torch.nn.functional as F
 
+from tests.distributed.test_cp import MLA_SCALE, assert_matches, mla_block_shape, mla_inputs, mla_reference
 from tests.helpers import doc_ids_from_starts, per_document_attention, spawn
+from trainlib.blocks.attention import Attention, document_mask
 from trainlib.parallel.cp import shard_sequence
 
 
@@ -146,3 +148,78 @@ def test_ulysses_and_hybrid_match_plain_attention():
         2: [(16, 4, 2, None), (24, 2, 1, None), (32, 4, 4, [[0, 3, 4, 17], [0, 9, 24]])],
         4: [(16, 4, 2, None), (32, 8, 1, None), (40, 4, 2, [[0, 7, 30, 31], [0, 12]])],
     })
+
+
+# ------------------------------------------------------- MLA-shaped attention (issue 51)
+class _ScaledAttention(Attention):
+    """An attention module as a family writes one: it calls its kernel through `self.sdpa` with a scale."""
+
+    def forward(self, q, k, v, mask, scale):
+        return self.sdpa(q, k, v, mask, scale=scale)
+
+
+class _AttentionOnly(torch.nn.Module):
+    """The least a model needs for apply_cp: attention modules and, for document masks, `attention_mask`."""
+
+    def __init__(self):
+        super().__init__()
+        self.attn = _ScaledAttention()
+
+    def attention_mask(self, doc_ids, dtype, q_positions=None):
+        return document_mask(doc_ids, dtype, q_positions, flex=False)
+
+    def forward(self, q, k, v, doc_ids=None, position_ids=None):
+        mask = None if doc_ids is None else self.attention_mask(doc_ids, q.dtype)
+        return self.attn(q, k, v, mask, MLA_SCALE)
+
+
+def _mla_shaped_ulysses_and_hybrid(rank, world):
+    """q/k 24 wide, v 16, GQA and a non-default scale through apply_cp's composition (the module calls
+    `self.sdpa(q, k, v, mask, scale=s)`): Ulysses cp = 2 (inside (2, 2); KV heads 1, replicated) and
+    hybrid 2 x 2 (4 ranks; the all-to-all, then the all-gather, then the module's own kernel), causal and
+    document-masked, equal the single-process kernel's output and gradients (float64); the collectives
+    send the bytes the planner prices for that BlockShape."""
+    from types import SimpleNamespace
+
+    from tests.helpers import BytesSent
+    from trainlib.parallel import ParallelDims
+    from trainlib.parallel.cp import apply_cp
+    from trainlib.plan.comm import cp_bytes, ulysses_bytes
+
+    doc_ids = doc_ids_from_starts([[0, 5, 6, 19], [0, 27]], 32)
+    hybrid = ParallelDims(dp_shard=1, cp=world, world_size=world, cp_ulysses=2)
+    hybrid.build_mesh("cpu")
+    ulysses = ParallelDims(dp_shard=world // 2, cp=2, world_size=world, cp_ulysses=2)
+    ulysses.build_mesh("cpu")
+    for name, dims, kv_heads in (("ulysses cp=2", ulysses, 1), ("hybrid 2x2", hybrid, 2)):
+        q, k, v, dout = mla_inputs(32, 4, kv_heads, seed=kv_heads)
+        cp_mesh = dims.mesh("cp")
+        cp, u = cp_mesh.size(), 2
+        outer = {"outer_mesh": dims.mesh("cp_outer"), "inner_mesh": dims.mesh("cp_inner")} if cp > u else {}
+        model = apply_cp(_AttentionOnly(), cp_mesh, ulysses=u, **outer)
+        mine = functools.partial(shard_sequence, cp=cp, rank=cp_mesh.get_local_rank(), dim=2, ulysses=u)
+        for docs in (None, doc_ids):
+            want = mla_reference(q, k, v, dout, None if docs is None else document_mask(docs, torch.float64,
+                                                                                         flex=False))
+            local = [mine(t).requires_grad_() for t in (q, k, v)]
+            with BytesSent(2) as sent:  # both of hybrid's groups have 2 ranks
+                out = model(*local, doc_ids=docs)
+                out.backward(mine(dout))
+            assert out.shape[-1] == 16
+            shape = SimpleNamespace(block=mla_block_shape(4, kv_heads), tp=1, cp=cp, cp_ulysses=u, elem=8,
+                                    mb_tokens=local[0].shape[0] * local[0].shape[2])
+            none = SimpleNamespace(mode="none", every_k=1)
+            assert sent.bytes_by_kind["all_to_all"] == ulysses_bytes(shape, none, 1), (name, sent.bytes_by_kind)
+            if cp > u:
+                kv = sent.bytes_by_kind["all_gather"] + sent.bytes_by_kind["reduce_scatter"]
+                assert kv == cp_bytes(shape, none, 1), (name, sent.bytes_by_kind)
+            assert sent.counts == ({"all_to_all": 4} | ({"all_gather": 1, "reduce_scatter": 1} if cp > u else {})), \
+                (name, sent.counts)
+            assert_matches([out.detach()] + [t.grad for t in local], want, mine,
+                           f"{name} docs={docs is not None} rank={rank}")
+
+
+def test_mla_shaped_ulysses_and_hybrid_match_single_process():
+    """Ulysses cp=2 and hybrid 2x2 with q/k 24 wide, v 16, GQA and scale 0.37 reaching the kernel through
+    apply_cp: output and dq/dk/dv equal `trainlib.blocks.attention.sdpa(..., scale=0.37)` (float64)."""
+    spawn(_mla_shaped_ulysses_and_hybrid, 4)

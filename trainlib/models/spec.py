@@ -69,10 +69,25 @@ class StageRoots:
 @dataclass(frozen=True)
 class BlockShape:
     """What the planner prices one block by: the residual width, attention's
-    heads (GQA: n_kv_heads) and head width, and the gated MLP's width. A family
+    heads (GQA: n_kv_heads) and head widths, and the gated MLP's width. A family
     lists one per block (`ModelSpec.block_shapes`), so blocks may differ. An MoE
     block (trainlib.blocks.moe.MoE) gives its MoEArgs as `moe`, and as ffn_dim the
-    hidden width a token activates."""
+    hidden width a token activates.
+
+    Attention is described by the q, k, v tensors the block hands its kernel
+    (`self.sdpa(q, k, v, ...)`, [b, heads, s, width]), which is what context
+    parallelism moves:
+      n_heads     query heads
+      n_kv_heads  key/value heads (GQA: a divisor of n_heads; MLA: n_heads, since
+                  its up-projection gives every head its own K and V, the shared
+                  RoPE part broadcast into each)
+      head_dim    the width of a q and a k head (MLA: qk_nope_head_dim +
+                  qk_rope_head_dim, 128 + 64 = 192 for DeepSeek-V3)
+      v_head_dim  the width of a v head and of the attention output per head, where
+                  it differs from head_dim (MLA: v_head_dim, 128); None: head_dim
+    The planner's CP lines (trainlib.plan.comm.cp_bytes, ulysses_bytes,
+    trainlib.plan.memory.cp_kept_bytes) price K and V as head_dim + v_dim per KV
+    head and token."""
 
     dim: int
     n_heads: int
@@ -80,6 +95,12 @@ class BlockShape:
     head_dim: int
     ffn_dim: int
     moe: object = None  # trainlib.blocks.moe.MoEArgs of an MoE block, else None
+    v_head_dim: int | None = None  # v's (and the output's) head width where it differs from head_dim (MLA)
+
+    @property
+    def v_dim(self) -> int:
+        """The width of a v head and of the attention output per head."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
 
 @dataclass(frozen=True)

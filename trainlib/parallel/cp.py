@@ -23,11 +23,15 @@ chunk is one masked public SDPA call (also exact; the additive mask costs
 C x (g+1)*C elements per local chunk, shared by all layers). torch's own
 experimental `context_parallel` has no CPU SDPA handler in torch 2.13.
 
-Per layer and micro-batch, each rank receives (cp-1)/cp * 2*b*S*n_kv_heads*head_dim
-elements in forward (all-gather of K and V) and sends as many in backward
-(reduce-scatter of dK, dV); nothing else is communicated. Memory per rank:
-activations of S/cp tokens plus the gathered K/V (2*b*S*n_kv_heads*head_dim per
-layer, kept for backward).
+Per layer and micro-batch, each rank receives (cp-1)/cp * b*S*n_kv_heads*(d_k + d_v)
+elements in forward (one all-gather of K and V; d_k = d_v = head_dim under
+GQA, d_k = nope + rope and d_v narrower under MLA) and sends as many in
+backward (one reduce-scatter of dK, dV); nothing else is communicated.
+Memory per rank: activations of S/cp tokens plus the gathered K/V
+(b*S*n_kv_heads*(d_k + d_v) per layer, kept for backward; the CPU kernel with
+d_v < d_k keeps K and a V zero-padded to d_k instead, 2*d_k per head and token).
+The softmax scale a module passes (`self.sdpa(q, k, v, mask, scale=s)`)
+reaches every kernel below, the model's own included.
 
 Document masking (`model.attn_mask = "document"`): the document ids of the
 whole window stay whole (`shard_batch` does not cut them), and the model's
@@ -47,6 +51,7 @@ that the all-to-all reassembles each all-gather rank's part
 from __future__ import annotations
 
 import functools
+import math
 
 import torch
 import torch.distributed as dist
@@ -58,7 +63,7 @@ from trainlib.data import document_ids
 from trainlib.blocks.attention import Attention
 from trainlib.parallel.ulysses import ulysses_sdpa
 
-__all__ = ["apply_cp", "chunk_ids", "cp_sdpa", "layout_positions", "local_micro_batches", "shard_batch", "shard_sequence", "unshard_sequence"]
+__all__ = ["apply_cp", "chunk_ids", "cp_sdpa", "gather_kv", "layout_positions", "local_micro_batches", "shard_batch", "shard_sequence", "unshard_sequence"]
 
 
 def chunk_ids(cp: int, rank: int, load_balance: bool = True) -> list[int]:
@@ -175,7 +180,7 @@ class _GatherSequence(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad: torch.Tensor):
-        slots = _global_to_slots(grad, ctx.cp, ctx.load_balance).flatten(0, 1).contiguous()
+        slots = _global_to_slots(grad, ctx.cp, ctx.load_balance).flatten(0, 1)
         out = grad.new_empty((slots.shape[0] // ctx.cp, *slots.shape[1:]))
         _reduce_scatter_single(out, slots, group=ctx.group)
         return out, None, None, None
@@ -187,21 +192,23 @@ def _slot_order(cp: int, load_balance: bool) -> list[int]:
 
 
 def _slots_to_global(slots: torch.Tensor, cp: int, load_balance: bool) -> torch.Tensor:
-    # slots: [cp, ..., s_local, d] -> [..., S, d]
+    # slots: [cp, ..., s_local, d] -> [..., S, d], the chunks concatenated in global order (one copy)
     order = _slot_order(cp, load_balance)
     k = len(order) // cp
-    by_slot = slots.unflatten(-2, (k, -1)).movedim(0, -4).flatten(-4, -3)  # [..., cp*k, C, d]
-    inverse = torch.empty(len(order), dtype=torch.long)
-    inverse[torch.tensor(order)] = torch.arange(len(order))
-    return by_slot.index_select(-3, inverse.to(slots.device)).flatten(-3, -2)
+    parts = slots.unflatten(-2, (k, -1))  # [cp, ..., k, C, d]
+    slot_of = {g: i for i, g in enumerate(order)}
+    return torch.cat([parts[slot_of[g] // k, ..., slot_of[g] % k, :, :] for g in range(len(order))], dim=-2)
 
 
 def _global_to_slots(x: torch.Tensor, cp: int, load_balance: bool) -> torch.Tensor:
+    # x: [..., S, d] -> contiguous [cp, ..., s_local, d], each rank's chunks in its local order (one copy)
     order = _slot_order(cp, load_balance)
     k = len(order) // cp
-    by_chunk = x.unflatten(-2, (len(order), -1))  # [..., n_chunks, C, d]
-    by_slot = by_chunk.index_select(-3, torch.tensor(order, device=x.device))
-    return by_slot.unflatten(-3, (cp, k)).movedim(-4, 0).flatten(-3, -2)  # [cp, ..., s_local, d]
+    chunks = x.chunk(len(order), dim=-2)
+    out = x.new_empty((cp, *x.shape[:-2], k, x.shape[-2] // len(order), x.shape[-1]))
+    for i, g in enumerate(order):
+        out[i // k, ..., i % k, :, :].copy_(chunks[g])
+    return out.flatten(-3, -2)
 
 
 # CPU flash attention with its log-sum-exp (private aten ops, stable since
@@ -216,18 +223,22 @@ class _PrefixCausalAttention(torch.autograd.Function):
     keys (causal)], without materialising a mask: two flash calls merged by
     their log-sum-exp. Backward runs the flash backward of each part with the
     merged output and log-sum-exp, which is exactly the gradient of the whole
-    (the same identity ring attention relies on)."""
+    (the same identity ring attention relies on). `scale`: the softmax scale
+    (None: the kernel's d ** -0.5); both parts use it, so their log-sum-exps
+    merge as they are. q, k and v share one head width here (the kernel's
+    rule; `cp_sdpa` pads a narrower v)."""
 
     @staticmethod
-    def forward(ctx, q, k_pre, v_pre, k_diag, v_diag):
-        out, lse = _FLASH_CPU(q, k_diag, v_diag, 0.0, True)
+    def forward(ctx, q, k_pre, v_pre, k_diag, v_diag, scale):
+        out, lse = _FLASH_CPU(q, k_diag, v_diag, 0.0, True, scale=scale)
         if k_pre.shape[2]:
-            out_pre, lse_pre = _FLASH_CPU(q, k_pre, v_pre, 0.0, False)
+            out_pre, lse_pre = _FLASH_CPU(q, k_pre, v_pre, 0.0, False, scale=scale)
             merged = torch.logaddexp(lse, lse_pre)
             acc = torch.promote_types(q.dtype, torch.float32)  # merge bf16 parts in fp32
             out = ((out.to(acc) * (lse - merged).exp().unsqueeze(-1))
                    + (out_pre.to(acc) * (lse_pre - merged).exp().unsqueeze(-1))).to(q.dtype)
             lse = merged
+        ctx.scale = scale
         ctx.save_for_backward(q, k_pre, v_pre, k_diag, v_diag, out, lse)
         return out
 
@@ -235,12 +246,13 @@ class _PrefixCausalAttention(torch.autograd.Function):
     def backward(ctx, grad_out):
         q, k_pre, v_pre, k_diag, v_diag, out, lse = ctx.saved_tensors
         grad_out = grad_out.contiguous()
-        dq, dk_diag, dv_diag = _FLASH_CPU_BWD(grad_out, q, k_diag, v_diag, out, lse, 0.0, True)
+        dq, dk_diag, dv_diag = _FLASH_CPU_BWD(grad_out, q, k_diag, v_diag, out, lse, 0.0, True, scale=ctx.scale)
         dk_pre = dv_pre = None
         if k_pre.shape[2]:
-            dq_pre, dk_pre, dv_pre = _FLASH_CPU_BWD(grad_out, q, k_pre, v_pre, out, lse, 0.0, False)
+            dq_pre, dk_pre, dv_pre = _FLASH_CPU_BWD(grad_out, q, k_pre, v_pre, out, lse, 0.0, False,
+                                                    scale=ctx.scale)
             dq = dq + dq_pre
-        return dq, dk_pre, dv_pre, dk_diag, dv_diag
+        return dq, dk_pre, dv_pre, dk_diag, dv_diag, None
 
 
 class _MaskCache:
@@ -264,29 +276,79 @@ class _MaskCache:
         return mask
 
 
-def cp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, group: dist.ProcessGroup, cp: int,
-            rank: int, load_balance: bool = True, masks: _MaskCache | None = None, kernel: str = "auto",
-            attend=None) -> torch.Tensor:
+def gather_kv(k: torch.Tensor, v: torch.Tensor, group: dist.ProcessGroup, cp: int,
+              load_balance: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """K and V of the whole sequence from every rank's chunks, in one all-gather.
+
+    k: [b, h_kv, s_local, d_k], v: [b, h_kv, s_local, d_v]. Equal widths are
+    stacked ([2, ...], as before MLA: bitwise the same); unequal ones (MLA:
+    d_k = nope + rope, d_v narrower) are concatenated on the last dim
+    ([.., d_k + d_v]) and split after the gather. Either way each rank sends
+    exactly K and V, d_k + d_v elements per KV head and token, in one
+    collective each way (the reduce-scatter of dK and dV is fused the same
+    way), so every family runs the same collectives per block and the planner
+    counts them alike. Two collectives would send the same bytes in twice the
+    launches and skip the copy into the send buffer. Measured on 2 gloo ranks
+    (fp32, 8 KV heads, d_k 192, d_v 128, forward + backward of the gather
+    alone, best of 30): s_local 64, one 3.5 ms, two 6.7 ms; s_local 512, one
+    55 ms, two 15 ms; s_local 2048, one 480 ms, two 92 ms. The larger cases
+    measure gloo more than the choice: its all-gather and reduce-scatter slow
+    down several-fold once a rank's message passes a few MB (s_local 512:
+    all-gather 1.4 ms at d 128, 2.6 at 192, 11.7 at 320; reduce-scatter 1.8,
+    3.3, 24.5), a line GQA's stacked K and V cross as well. CPU runs of
+    trainlib (tests, debug recipes) sit in the small regime; on GPUs (NCCL,
+    not measured here) the bytes, the same either way, set the time and one
+    launch saves a launch's latency."""
+    if k.shape[-1] == v.shape[-1]:
+        k_full, v_full = _GatherSequence.apply(torch.stack([k, v]), group, cp, load_balance).unbind(0)
+        return k_full, v_full
+    kv = _GatherSequence.apply(torch.cat([k, v], dim=-1), group, cp, load_balance)
+    k_full, v_full = kv.split([k.shape[-1], v.shape[-1]], dim=-1)
+    return k_full, v_full
+
+
+def cp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, scale: float | None = None,
+            group: dist.ProcessGroup, cp: int, rank: int, load_balance: bool = True, masks: _MaskCache | None = None,
+            kernel: str = "auto", attend=None) -> torch.Tensor:
     """Causal attention of this rank's query chunks over the whole sequence.
 
-    q: [b, h, s_local, d]; k, v: [b, h_kv, s_local, d] (h_kv may divide h: GQA),
-    all in the layout of `shard_sequence`. Returns [b, h, s_local, d], equal to
-    this rank's rows of full causal SDPA. `kernel`: "lse" (CPU: flash parts
-    merged by log-sum-exp, no mask), "mask" (any device: one masked SDPA per
-    chunk) or "auto" (lse where available).
+    q: [b, h, s_local, d_qk]; k: [b, h_kv, s_local, d_qk] (h_kv may divide h:
+    GQA); v: [b, h_kv, s_local, d_v], d_v may be narrower than d_qk (MLA); all
+    in the layout of `shard_sequence`. `scale`: the softmax scale (None:
+    d_qk ** -0.5), as `trainlib.blocks.attention.sdpa` takes it. Returns
+    [b, h, s_local, d_v], equal to this rank's rows of full causal SDPA.
+    `kernel`: "lse" (CPU: flash parts merged by log-sum-exp, no mask), "mask"
+    (any device: one masked SDPA per chunk) or "auto" (lse where available).
+    CPU's flash kernel takes one head width for q, k and v; where v is
+    narrower the lse kernel zero-pads the gathered V to d_qk (scores and
+    log-sum-exp do not read V; the output's padded columns are zero and are
+    sliced off, and the slice's backward feeds zero gradients to them, so dV
+    is the slice of the padded one: exact) at the cost of keeping the padded
+    V for backward (K and V kept: 2 d_qk wide instead of d_qk + d_v; MLA 384
+    against 320). A v wider
+    than q and k pads q and k instead (zero columns add nothing to a score),
+    with the scale pinned to d_qk ** -0.5.
     With `mask` (a document mask of this rank's query rows over all keys, from
     the model's `attention_mask` as `apply_cp` rebinds it), the result is
-    `attend(q, K, V, mask)` on the gathered K/V: the model's own masked kernel.
+    `attend(q, K, V, mask, scale=scale)` on the gathered K/V: the model's own
+    masked kernel.
     """
-    # one collective for K and V together
-    k_full, v_full = _GatherSequence.apply(torch.stack([k, v]), group, cp, load_balance).unbind(0)
+    k_full, v_full = gather_kv(k, v, group, cp, load_balance)
     if mask is not None:
-        return attend(q, k_full, v_full, mask)
+        return attend(q, k_full, v_full, mask, scale=scale)
     ids = chunk_ids(cp, rank, load_balance)
     c = q.shape[2] // len(ids)
     gqa = q.shape[1] != k.shape[1]
     if kernel == "auto":
         kernel = "lse" if q.device.type == "cpu" and _FLASH_CPU is not None else "mask"
+    d_qk, d_v = q.shape[-1], v.shape[-1]
+    if kernel == "lse" and d_qk != d_v:  # the flash kernel's one head width: zero columns (see above)
+        width = max(d_qk, d_v)
+        k_full = k_full.contiguous()  # its own storage: the gathered [.., d_k + d_v] buffer is not kept
+        if d_qk < width:
+            scale = 1 / math.sqrt(d_qk) if scale is None else scale
+            q, k_full = (F.pad(t, (0, width - d_qk)) for t in (q, k_full))
+        v_full = F.pad(v_full, (0, width - d_v))
     masks = masks or _MaskCache()
     outs = []
     for j, g in enumerate(ids):
@@ -294,15 +356,17 @@ def cp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, gro
         lo, hi = g * c, (g + 1) * c
         if kernel == "lse":
             out = _PrefixCausalAttention.apply(qj, k_full[:, :, :lo], v_full[:, :, :lo],
-                                               k_full[:, :, lo:hi], v_full[:, :, lo:hi])
+                                               k_full[:, :, lo:hi], v_full[:, :, lo:hi], scale)
         elif g == 0:  # square: the fused causal path, no mask
             out = F.scaled_dot_product_attention(qj, k_full[:, :, :hi], v_full[:, :, :hi], is_causal=True,
-                                                 enable_gqa=gqa)
+                                                 enable_gqa=gqa, scale=scale)
         else:
             out = F.scaled_dot_product_attention(qj, k_full[:, :, :hi], v_full[:, :, :hi],
-                                                 attn_mask=masks.get(g, c, q.device, q.dtype), enable_gqa=gqa)
+                                                 attn_mask=masks.get(g, c, q.device, q.dtype), enable_gqa=gqa,
+                                                 scale=scale)
         outs.append(out)
-    return torch.cat(outs, dim=2)
+    out = torch.cat(outs, dim=2)
+    return out if out.shape[-1] == d_v else out[..., :d_v]
 
 
 def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool = True, ulysses: int = 1,
@@ -320,7 +384,10 @@ def apply_cp(model: nn.Module, cp_mesh: DeviceMesh, *, load_balance: bool = True
     Every attention module (a subclass of `trainlib.blocks.attention.Attention`,
     the model contract) has its `sdpa` kernel replaced per instance (the model
     file stays single-device); the replaced one stays the kernel for document
-    masks and for Ulysses. A forward pre-hook on the model supplies
+    masks and for Ulysses. The kernels compose as `attend(q, k, v, mask,
+    scale=s)` callables (Ulysses around the all-gather around the module's
+    own kernel), so the scale a module passes reaches the innermost kernel,
+    and v may be narrower than q and k at every layer. A forward pre-hook on the model supplies
     `position_ids` (this rank's window positions) whenever the caller passes
     none, so every caller, pipeline stages included, gets the right RoPE
     without threading positions through; the model's `attention_mask` is

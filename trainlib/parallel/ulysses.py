@@ -13,13 +13,20 @@ refuses otherwise). Key/value heads that do not (GQA with few KV heads) are
 replicated first to lcm(h_kv, u) heads; query head i keeps reading a copy of
 its own KV head, and the backward of the copy sums the copies' gradients.
 
-Communication per layer and micro-batch: each rank sends (u-1)/u of its
-q, k, v (h + 2 h_kv' heads of s_local tokens) in forward and of the output
-(h heads) after attention, and as much again in backward; the volume per rank
-falls as 1/u with the sequence it holds, unlike the all-gather of K/V
-(trainlib.parallel.cp), which grows with the whole sequence.
+Widths. q and k share a head width d_k, v and the output may be narrower
+(d_v: MLA). q, k and v still move in one all-to-all: with one width they are
+concatenated on heads, otherwise each rank's slot of each tensor is flattened
+and the slots concatenated (the same bytes; the copy into the send buffer was
+paid already). The softmax scale (`scale=`) passes through to the kernel.
 
-`ulysses_sdpa(..., attend=...)` calls `attend(q, k, v, mask)` on the
+Communication per layer and micro-batch: each rank sends (u-1)/u of its
+q, k, v (h + h_kv' heads of d_k and h_kv' heads of d_v, s_local tokens) in
+forward and of the output (h heads of d_v) after attention, and as much again
+in backward: (u-1)/u * s_local * (h + h_kv') * (d_k + d_v) elements each way.
+The volume per rank falls as 1/u with the sequence it holds, unlike the
+all-gather of K/V (trainlib.parallel.cp), which grows with the whole sequence.
+
+`ulysses_sdpa(..., attend=...)` calls `attend(q, k, v, mask, scale=scale)` on the
 head-sharded tensors: the model's kernel for Ulysses alone, and for hybrid CP
 the all-gather kernel over the outer group (trainlib.parallel.cp.apply_cp
 composes them).
@@ -64,14 +71,20 @@ def replicate_kv_heads(k: torch.Tensor, u: int) -> torch.Tensor:
 
 
 def _seq_to_heads(ts: list[torch.Tensor], u: int, group) -> list[torch.Tensor]:
-    """[b, h_i, s, d] each (this rank's sequence part) -> [b, h_i/u, u*s, d]
-    (the group's sequence, in rank order, for this rank's head slice)."""
-    heads = [t.shape[1] // u for t in ts]
-    # [u, b, h_i/u, s, d] per tensor, concatenated on heads: one collective for all of them
-    send = torch.cat([t.unflatten(1, (u, -1)).movedim(1, 0) for t in ts], dim=2)
-    recv = _AllToAll.apply(send, group)  # slot j: rank j's sequence part, this rank's heads
-    full = recv.movedim(0, 2).flatten(2, 3)
-    return list(full.split(heads, dim=1))
+    """[b, h_i, s, d_i] each (this rank's sequence part) -> [b, h_i/u, u*s, d_i]
+    (the group's sequence, in rank order, for this rank's head slice), in one
+    all-to-all for all of them."""
+    slots = [t.unflatten(1, (u, -1)).movedim(1, 0) for t in ts]  # [u, b, h_i/u, s, d_i]: slot j goes to rank j
+    if len({t.shape[-1] for t in ts}) == 1:  # one head width: concatenated on heads
+        send = torch.cat(slots, dim=2)
+        recv = _AllToAll.apply(send, group)  # slot j: rank j's sequence part, this rank's heads
+        full = recv.movedim(0, 2).flatten(2, 3)
+        return list(full.split([t.shape[2] for t in slots], dim=1))
+    # widths differ (MLA's v is narrower than q and k): each tensor's slot flattened, then concatenated
+    send = torch.cat([t.flatten(2) for t in slots], dim=2)  # [u, b, sum_i h_i/u * s * d_i]
+    recv = _AllToAll.apply(send, group)
+    parts = recv.split([t[0, 0].numel() for t in slots], dim=2)
+    return [p.unflatten(2, t.shape[2:]).movedim(0, 2).flatten(2, 3) for p, t in zip(parts, slots)]
 
 
 def _heads_to_seq(t: torch.Tensor, u: int, group) -> torch.Tensor:
@@ -81,17 +94,19 @@ def _heads_to_seq(t: torch.Tensor, u: int, group) -> torch.Tensor:
     return recv.movedim(0, 1).flatten(1, 2)
 
 
-def ulysses_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, group: dist.ProcessGroup,
-                 u: int, attend) -> torch.Tensor:
+def ulysses_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, scale: float | None = None,
+                 group: dist.ProcessGroup, u: int, attend) -> torch.Tensor:
     """Attention of this rank's sequence part through head sharding over `group` (u ranks).
 
-    q: [b, h, s, d]; k, v: [b, h_kv, s, d], this rank's part of the group's
-    sequence (rank order = sequence order). `attend(q, k, v, mask)` runs on
+    q: [b, h, s, d_qk]; k: [b, h_kv, s, d_qk]; v: [b, h_kv, s, d_v] (d_v may
+    be narrower: MLA), this rank's part of the group's sequence (rank order =
+    sequence order). `attend(q, k, v, mask, scale=scale)` runs on
     [b, h/u, u*s, d] (the group's whole sequence): `mask` must be the one for
-    that sequence (for Ulysses alone: the model's mask of the whole window).
-    Returns [b, h, s, d]."""
+    that sequence (for Ulysses alone: the model's mask of the whole window);
+    `scale` (the softmax scale, None: d_qk ** -0.5) passes through unchanged.
+    Returns [b, h, s, d_v]."""
     if q.shape[1] % u:
         raise ValueError(f"Ulysses over {u} ranks needs query heads divisible by {u}, got {q.shape[1]}")
     k, v = replicate_kv_heads(k, u), replicate_kv_heads(v, u)
     q, k, v = _seq_to_heads([q, k, v], u, group)
-    return _heads_to_seq(attend(q, k, v, mask), u, group)
+    return _heads_to_seq(attend(q, k, v, mask, scale=scale), u, group)

@@ -142,9 +142,12 @@ def cp_bytes(s: StepShape, ac, blocks: int) -> float:
     """Bytes one rank sends in CP's K/V all-gather per micro-batch (over `cp`, or over cp_outer under
     hybrid CP): per block the all-gather of the K and V its attention holds (again where AC recomputes
     the block) and the reduce-scatter of their gradients, (degree - 1) times those K and V each. Under
-    hybrid CP a rank gathers after the all-to-all: u times the tokens of 1/u of the (replicated) KV heads."""
+    hybrid CP a rank gathers after the all-to-all: u times the tokens of 1/u of the (replicated) KV heads.
+    K is head_dim wide and V v_dim (narrower under MLA; trainlib.parallel.cp.gather_kv moves both in
+    one collective)."""
     degree = s.cp // s.cp_ulysses
-    kv = 2 * s.elem * s.mb_tokens * cp_kv_heads(s) * s.block.head_dim  # the K and V this rank's attention holds
+    # the K and V this rank's attention holds
+    kv = s.elem * s.mb_tokens * cp_kv_heads(s) * (s.block.head_dim + s.block.v_dim)
     return (2 + _recomputed(ac)) * (degree - 1) * kv * blocks
 
 
@@ -152,10 +155,11 @@ def ulysses_bytes(s: StepShape, ac, blocks: int) -> float:
     """Bytes one rank sends in Ulysses' all-to-alls per micro-batch (over u = cp_ulysses ranks): per block,
     forward, q, k, v (KV heads replicated to a multiple of u) before attention and the output after it,
     (u - 1)/u of each; backward the gradients of the same; again where AC recomputes the block. Unlike the
-    all-gather's, this volume falls as the sequence a rank holds (1/cp)."""
-    u, hd = s.cp_ulysses, s.block.head_dim
-    heads = 2 * s.block.n_heads / s.tp + 2 * cp_kv_heads(s)  # q and the output, k and v
-    return (2 + _recomputed(ac)) * (u - 1) / u * s.elem * s.mb_tokens * heads * hd * blocks
+    all-gather's, this volume falls as the sequence a rank holds (1/cp). q and k are head_dim wide, v and
+    the output v_dim: each query head moves head_dim + v_dim (q, output), each KV head as much (k, v)."""
+    u, width = s.cp_ulysses, s.block.head_dim + s.block.v_dim
+    heads = s.block.n_heads / s.tp + cp_kv_heads(s)  # q and the output, k and v
+    return (2 + _recomputed(ac)) * (u - 1) / u * s.elem * s.mb_tokens * heads * width * blocks
 
 
 def comm_seconds(comm: dict[str, float], intra_node: dict[str, bool], hw: GPU, assumptions: dict) -> dict[str, float]:

@@ -236,7 +236,7 @@ def cp_kept_bytes(s: StepShape, ac, layers: list[int]) -> float:
     if s.cp == 1:
         return 0.0
     kept = [i for i in layers if ac.mode == "none" or (ac.mode == "selective_layer" and i % ac.every_k)]
-    per_token = 2 * s.elem * s.block.head_dim * (
+    per_token = s.elem * (s.block.head_dim + s.block.v_dim) * (  # K and V: head_dim and v_dim wide
         cp_kv_heads(s) * (s.cp // s.cp_ulysses) - s.block.n_kv_heads / s.tp)
     return per_token * s.mb_tokens * len(kept)
 
