@@ -383,11 +383,18 @@ class MoE(nn.Module):
 
 def moe_layers(parts: list[nn.Module]) -> dict[int, MoE]:
     """The MoE blocks of a model (or of this rank's pipeline stages) by global layer index: the index is
-    the key of the `layers` ModuleDict entry that holds them."""
+    the key of the `layers` ModuleDict entry that holds them. An MoE outside `layers` (the block of a
+    multi-token prediction module, which a pipeline's last stage holds) is numbered after the model's
+    blocks, n_layers, n_layers + 1, ... in module order, as Hugging Face checkpoints number such blocks."""
     out = {}
     for part in parts:
+        extra = part.args.n_layers if hasattr(part, "args") else None
         for name, module in part.named_modules():
             if isinstance(module, MoE):
                 segs = name.split(".")
-                out[int(segs[segs.index("layers") + 1])] = module
+                if "layers" in segs:
+                    out[int(segs[segs.index("layers") + 1])] = module
+                else:
+                    out[extra] = module
+                    extra += 1
     return out

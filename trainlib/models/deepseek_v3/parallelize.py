@@ -17,6 +17,8 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from trainlib.errors import ConfigError
@@ -47,7 +49,7 @@ def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
     """One decoder block's entries (a block takes those of its modules it has: wq or wq_a/wq_b, the dense
     MLP or the MoE)."""
     act, norm = activation_layout(sequence_parallel), norm_style(sequence_parallel)
-    whole = norm_style(False)  # replicated weight on a whole (gathered) input, output a plain tensor
+    whole = _Whole()
     return {
         "attention_norm": norm, "ffn_norm": norm,
         # attention(x, rope, mask): the sequence gathered once for every projection; rope and mask plain
@@ -61,6 +63,21 @@ def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         "feed_forward.w2": RowwiseParallel(output_layouts=act),
         "moe": moe_style(sequence_parallel),
     }
+
+
+class _Whole(ParallelStyle):
+    """A module every tp rank holds whole (a replicated DTensor weight) and runs on the whole, gathered
+    input (a plain tensor, or attention's replicated input DTensor); its output is a plain tensor. Its
+    gradients are whole on every rank: the column-wise projections after it sum their input gradient
+    over tp (their input's from_local)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def inputs(mod, args, mesh):
+            return tuple(x if isinstance(x, DTensor) else DTensor.from_local(x, mesh, [Replicate()], run_check=False)
+                         for x in args)
+
+        return distribute_module(module, device_mesh, input_fn=inputs,
+                                 output_fn=lambda mod, out, mesh: out.to_local())
 
 
 def tp_plan(sequence_parallel: bool, loss_parallel: bool, mtp_depth: int = 0) -> TPPlan:
