@@ -49,7 +49,7 @@ from trainlib.models.deepseek_v3.args import FLAVORS, ModelArgs, get_model_args,
 from trainlib.models.layers import RMSNorm
 from trainlib.models.spec import BlockShape
 
-__all__ = ["FLAVORS", "MLA", "MTPModule", "MoEBlock", "ModelArgs", "Transformer", "apply_rope",
+__all__ = ["FLAVORS", "MLA", "MTPModule", "MoEBlock", "ModelArgs", "SharedKeyRope", "Transformer", "apply_rope",
            "block_forward_flops", "block_shapes", "flops_per_token", "get_model_args", "param_role",
            "precompute_rope"]
 
@@ -113,6 +113,15 @@ def apply_rope(x: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
 # --------------------------------------------------------------------------- attention and blocks
 
 
+class SharedKeyRope(nn.Module):
+    """RoPE on k_pe, the rope part of the key that every head shares: [b, s, rope] -> [b, s, 1, rope]. A module
+    of its own (no parameters) so tensor parallelism can sum its input's gradient over tp: each rank's heads
+    give only their share of it (parallelize.py)."""
+
+    def forward(self, k_pe: torch.Tensor, rope: torch.Tensor) -> torch.Tensor:
+        return apply_rope(k_pe.unsqueeze(2), rope)
+
+
 class MLA(attention.Attention):
     """Multi-head latent attention (see the module docstring). Under tensor parallelism the up-projections
     (wq or wq_b, wkv_b) hold this rank's heads and the down-projections (wq_a, wkv_a) and latent norms are
@@ -134,6 +143,7 @@ class MLA(attention.Attention):
         self.wkv_b = nn.Linear(args.kv_lora_rank, args.n_heads * (args.qk_nope_head_dim + args.v_head_dim),
                                bias=False)
         self.wo = nn.Linear(args.n_heads * args.v_head_dim, args.dim, bias=False)
+        self.k_rope = SharedKeyRope()
         self.softmax_scale = args.softmax_scale
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
@@ -145,7 +155,7 @@ class MLA(attention.Attention):
         kv = self.wkv_b(self.kv_norm(latent)).view(b, s, -1, self.nope + self.v_dim)
         k_nope, v = kv.split([self.nope, self.v_dim], dim=-1)
         rope = rope[:s] if rope.dim() == 3 else rope  # [max_len, ...] table or per-token [b, s, ...]
-        q_pe, k_pe = apply_rope(q_pe, rope), apply_rope(k_pe.unsqueeze(2), rope)  # k_pe: one head, shared
+        q_pe, k_pe = apply_rope(q_pe, rope), self.k_rope(k_pe, rope)  # k_pe: one head, shared by all
         q = torch.cat([q_nope, q_pe], dim=-1)
         k = torch.cat([k_nope, k_pe.expand(-1, -1, k_nope.shape[2], -1)], dim=-1)
         q, k, v = (t.transpose(1, 2) for t in (q, k, v))  # [b, h, s, d]

@@ -5,7 +5,10 @@ Tensor parallel of MLA, as TorchTitan does: the up-projections (wq, or wq_b with
 column-wise, so each rank holds n_heads / tp heads of queries, keys and values; `wo` is row-wise; the
 down-projections (wq_a, wkv_a) and the latent norms (q_norm, kv_norm) are replicated and run on the whole
 (gathered) sequence: every rank computes the same latent, and its gradient, summed over the heads of
-every rank by the column-wise projections' input, is whole on each. The dense first blocks' MLP is the
+every rank by the column-wise projections' input, is whole on each. The rope key k_pe, shared by every
+head, reaches the heads without a projection: its gradient is summed over tp explicitly (`k_rope`;
+without it each rank updates wkv_a's rope rows from its own heads only, and TP2 drifted from one process
+by 1e-5 in 8 steps of debug_deepseek). The dense first blocks' MLP is the
 usual column/row pair; the MoE feed-forward runs on this rank's sequence shard (`moe_style`, as
 Qwen3-MoE's), so expert parallel may borrow tp's ranks. The MTP modules (`mtp`, the last stage's) take
 the same plan: their norms like the residual stream's, eh_proj column-wise gathered back to the residual
@@ -18,7 +21,7 @@ from collections.abc import Mapping
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
 
 from trainlib.errors import ConfigError
@@ -58,6 +61,7 @@ def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         "attention.wq_a": whole, "attention.q_norm": whole, "attention.wq_b": ColwiseParallel(),
         "attention.wkv_a": whole, "attention.kv_norm": whole, "attention.wkv_b": ColwiseParallel(),
         "attention.wo": RowwiseParallel(output_layouts=act),
+        "attention.k_rope": _SumGradOverTP(),
         "feed_forward": block_input_style(sequence_parallel),
         "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
         "feed_forward.w2": RowwiseParallel(output_layouts=act),
@@ -78,6 +82,19 @@ class _Whole(ParallelStyle):
 
         return distribute_module(module, device_mesh, input_fn=inputs,
                                  output_fn=lambda mod, out, mesh: out.to_local())
+
+
+class _SumGradOverTP(ParallelStyle):
+    """The first input (k_pe, whole on every rank) passes unchanged; its gradient, the sum over this rank's
+    heads of the shared rope key's gradient, is summed over tp (an all-reduce in backward)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def inputs(mod, args, mesh):
+            x, *rest = args
+            x = DTensor.from_local(x, mesh, [Replicate()], run_check=False).to_local(grad_placements=[Partial()])
+            return (x, *rest)
+
+        return distribute_module(module, device_mesh, input_fn=inputs)
 
 
 def tp_plan(sequence_parallel: bool, loss_parallel: bool, mtp_depth: int = 0) -> TPPlan:
