@@ -413,3 +413,46 @@ def test_config_round_trip_and_refusals():
         adapter.args_from_hf_config({**cfg, "scoring_func": "softmax"})
     with pytest.raises(ConfigError, match=r"^model.moe score_func='softmax', but Hugging Face's DeepSeek-V3 has"):
         adapter.hf_config_from_args(get_model_args("deepseek_v3_16b"))
+
+
+# ------------------------------------------------------------------------------------ tensor parallel
+
+
+def _tp_matches_one_process(rank, world, sequence_parallel):
+    import copy
+
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    from trainlib.models.deepseek_v3 import tp_plan
+    from trainlib.parallel.tp import apply_tp
+
+    args = get_model_args("debug", mtp_depth=1)
+    ref = Transformer(args, rope_len=16)
+    ref.init_weights(seed=0)
+    _scramble_(ref, 1)
+    model = copy.deepcopy(ref)
+    apply_tp(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)),
+             tp_plan(sequence_parallel, False, mtp_depth=1))
+    tokens = _tokens(s=16, vocab=args.vocab_size)
+    nxt = torch.roll(tokens, -1, dims=1)
+    g = torch.Generator().manual_seed(2)
+    probe = [torch.randn(2, 16, args.vocab_size, generator=g) for _ in range(2)]
+    for m in (ref, model):
+        main, (depth1,) = m(tokens, mtp_inputs=[nxt])
+        ((main * probe[0]).sum() + (depth1 * probe[1]).sum()).backward()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+        got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
+        # without the shared rope key's all-reduce, wkv_a's rope rows miss the other rank's heads
+        err = ((got - q.grad).norm() / q.grad.norm()).item()
+        assert err < 1e-5, f"{name}: relative error {err:.1e}"
+
+
+@pytest.mark.parametrize("sequence_parallel", [True, False])
+def test_tensor_parallel_gradients_match_one_process(sequence_parallel):
+    """TP2 of the whole model, MTP module included (its forward with mtp_inputs): every parameter's gradient
+    as on one process (fp32). The down-projections and latent norms are whole on every rank, the rope key's
+    gradient summed over the ranks' heads."""
+    from tests.helpers import spawn
+
+    spawn(_tp_matches_one_process, 2, sequence_parallel)
