@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from trainlib.blocks import attention
-from trainlib.blocks.moe import MoE, MoEArgs
+from trainlib.blocks.moe import MoE, MoEArgs, moe_layers
 from trainlib.errors import ConfigError
 from trainlib.models import layers
 from trainlib.models.deepseek_v3 import (
@@ -119,6 +119,7 @@ def test_debug_deepseek_builds_on_meta_and_cpu_initialises_and_learns():
         t.fill_(float("nan"))
     meta.init_weights(seed=3)
     assert all(torch.equal(a, b) for a, b in zip(meta.state_dict().values(), ref.state_dict().values(), strict=True))
+    assert sorted(moe_layers([ref])) == [1, 2, 3, 4]  # the MTP block's MoE after the blocks, as the hub numbers it
     assert sorted(n for n in ref.state_dict() if "expert_bias" in n) == [
         *(f"layers.{i}.moe.expert_bias" for i in "123"), "mtp.0.transformer_layer.moe.expert_bias"]
     depth = 0.02 / math.sqrt(2 * args.n_layers)
@@ -211,6 +212,13 @@ def test_logits_match_transformers_through_convert_both_ways(tmp_path, q_lora_ra
     with torch.no_grad():
         diff = (ours(tokens) - ref).abs().max().item()
     assert diff < 1e-5, diff
+    # a run's initial load from the folder (checkpoint.initial_load_path) takes the bias buffer too
+    from trainlib.checkpoint.hf import load_hf_into_model
+
+    direct = Transformer(a, rope_len=64)
+    direct.init_weights(seed=9)
+    load_hf_into_model([direct], tmp_path / "theirs", a)
+    assert all(torch.equal(t, ours.state_dict()[n]) for n, t in direct.state_dict().items())
 
     src = Transformer(a, rope_len=64)
     src.init_weights(seed=5)
