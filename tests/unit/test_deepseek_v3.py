@@ -335,6 +335,14 @@ def test_float8_block_scaled_weights_dequantize_on_import(tmp_path):
     torch.testing.assert_close(w1 / scale.repeat_interleave(128, 0)[:320] / 100, src.layers["0"].feed_forward.w1.weight,
                                rtol=0.07, atol=2e-4)  # e4m3's 3-bit mantissa
     assert not any(n.endswith("_scale_inv") for n in weights)
+    # hf-to-dcp plans a float8 weight on a meta tensor (no dequantized copy of the model at once) and writes
+    # the dequantized values
+    planned = weights.planned("layers.0.feed_forward.w1.weight")
+    assert planned.is_meta and planned.dtype == torch.float32 and planned.shape == (320, 64)
+    from trainlib.checkpoint.convert import hf_to_dcp, read_dcp_model
+
+    hf_to_dcp(tmp_path / "hf", tmp_path / "dcp")
+    assert torch.equal(read_dcp_model(tmp_path / "dcp")["layers.0.feed_forward.w1.weight"], w1)
 
 
 # ------------------------------------------------------------------------------------ sizes and rules

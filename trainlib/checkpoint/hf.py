@@ -182,17 +182,21 @@ class HFWeights(LazyWeights):
 
     def planned(self, name: str) -> torch.Tensor:
         """What a save can be planned on for weight `name` without reading it:
-        `stored(name)` (mapped), or for a stacked weight a meta tensor of its
-        shape and dtype (`stored` would stack a copy)."""
+        `stored(name)` (mapped), or for a stacked or float8 weight a meta
+        tensor of its shape and dtype (`stored` would make a copy)."""
         from safetensors import safe_open
 
         theirs = self._names[name]
-        if isinstance(theirs, str):
+        first = theirs if isinstance(theirs, str) else theirs[0]
+        quantized = first + "_scale_inv" in self._file_of
+        if isinstance(theirs, str) and not quantized:
             return self.stored(name)
-        with safe_open(str(self._file_of[theirs[0]]), framework="pt") as handle:
-            piece = handle.get_tensor(theirs[0])
-        dtype = self._dequantized if theirs[0] + "_scale_inv" in self._file_of else piece.dtype
-        return torch.empty((len(theirs), *piece.shape), dtype=dtype, device="meta")
+        with safe_open(str(self._file_of[first]), framework="pt") as handle:
+            piece = handle.get_slice(first)
+            shape = tuple(piece.get_shape())
+            dtype = self._dequantized if quantized else handle.get_tensor(first).dtype
+        shape = shape if isinstance(theirs, str) else (len(theirs), *shape)
+        return torch.empty(shape, dtype=dtype, device="meta")
 
     def row_order(self, name: str) -> torch.Tensor | None:
         """Which stored row each of `self[name]`'s rows is (None: the same)."""
