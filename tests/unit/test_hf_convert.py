@@ -454,7 +454,7 @@ def test_an_hf_folder_no_family_reads_or_of_another_family_is_one_line(tmp_path)
     with pytest.raises(ConfigError, match=r"^\S+config.json is a Hugging Face model of architecture "
                                           r"\['MistralForCausalLM'\], which no trainlib family reads \(llama3: "
                                           r"LlamaForCausalLM; qwen3: Qwen3ForCausalLM; qwen3_moe: "
-                                          r"Qwen3MoeForCausalLM\); convert it"):
+                                          r"Qwen3MoeForCausalLM; deepseek_v3: DeepseekV3ForCausalLM\); convert it"):
         read_hf_folder(tmp_path / "mistral")
     args = qwen3_args("debug")
     src = Qwen3(args, rope_len=8)

@@ -89,6 +89,49 @@ def test_group_limited_routing_stays_in_the_best_groups():
     assert torch.equal(idx // 2, best_group[:, None].expand_as(idx))
 
 
+def _top2_sum_reference(logits, bias, n_groups, topk_groups, top_k, route_scale):
+    """DeepSeek-V3's routing written token by token: sigmoid scores; groups ranked by the sum of their two best
+    biased scores; the best top_k biased scores among the kept groups' experts; weights = the unbiased scores
+    of those, normalised to 1, times route_scale."""
+    scores = logits.sigmoid()
+    size = scores.shape[1] // n_groups
+    all_idx, all_w = [], []
+    for t in range(scores.shape[0]):
+        biased = [float(v) for v in scores[t] + bias]
+        group_rank = [sum(sorted(biased[g * size:(g + 1) * size], reverse=True)[:2]) for g in range(n_groups)]
+        kept = sorted(range(n_groups), key=lambda g: -group_rank[g])[:topk_groups]
+        allowed = [e for g in kept for e in range(g * size, (g + 1) * size)]
+        chosen = sorted(allowed, key=lambda e: -biased[e])[:top_k]
+        w = scores[t, chosen]
+        all_idx.append(sorted(chosen))
+        all_w.append(dict(zip(chosen, (w / w.sum() * route_scale).tolist())))
+    return all_idx, all_w
+
+
+def test_top2_sum_group_routing_matches_a_hand_written_reference():
+    """group_score="top2_sum" (DeepSeek-V3): a group ranks by its two best biased scores. The bias chosen here
+    makes one group the best by its single best expert but not by its best two, so "max" routes elsewhere."""
+    kw = dict(n_experts=16, top_k=3, score_func="sigmoid", n_groups=4, topk_groups=2, route_scale=2.5)
+    m = _moe(group_score="top2_sum", **kw)
+    xf = _x(2, 12).reshape(-1, DIM)
+    bias = torch.linspace(-0.3, 0.3, 16)
+    bias[0] = 2.0  # group 0: one very strong expert, the rest weak
+    bias[1:4] = -2.0
+    idx, w, scores, logits = m.router(xf, bias)
+    torch.testing.assert_close(scores, (xf @ m.router.gate.weight.T).sigmoid())
+    assert logits.dtype == scores.dtype == w.dtype == torch.float32
+    want_idx, want_w = _top2_sum_reference(logits, bias, 4, 2, 3, 2.5)
+    assert [sorted(row) for row in idx.tolist()] == want_idx
+    for t in range(idx.shape[0]):
+        for j, e in enumerate(idx[t].tolist()):
+            assert abs(w[t, j].item() - want_w[t][e]) < 1e-6  # the bias steers selection, not the weights
+    # the max rule keeps group 0 for every token (its one expert's bias of 2); top2_sum does not
+    idx_max, _, _, _ = _moe(group_score="max", **kw).router(xf, bias)
+    assert (idx_max // 4 == 0).any(-1).all() and not (idx // 4 == 0).any(-1).all()
+    with pytest.raises(ConfigError, match=r"^model.moe group_score 'top2_sum' ranks a group by its two best"):
+        MoEArgs(n_experts=4, top_k=1, expert_dim=8, n_groups=4, topk_groups=2, group_score="top2_sum").validate()
+
+
 def test_capacity_keeps_each_experts_highest_weighted_assignments_and_counts_the_rest():
     m = _moe(cfg=MoEConfig(capacity_factor=0.5))
     x = _x(2, 12)

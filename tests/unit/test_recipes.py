@@ -15,7 +15,8 @@ RECIPE_FILES = sorted(p.name for p in RECIPES.glob("*.toml"))
 # Cluster each recipe is written for (world size); the base is not a runnable job on its own.
 WORLD = {"debug.toml": 2, "debug_qwen3.toml": 2, "llama3_1b.toml": 1, "llama3_3b.toml": 1, "llama3_8b.toml": 8,
          "llama3_70b.toml": 256, "llama3_405b.toml": 512, "qwen3_8b.toml": 8, "qwen3_32b.toml": 32,
-         "debug_moe.toml": 2, "qwen3_30b_a3b.toml": 64, "qwen3_235b_a22b.toml": 256}
+         "debug_moe.toml": 2, "qwen3_30b_a3b.toml": 64, "qwen3_235b_a22b.toml": 256,
+         "debug_deepseek.toml": 2, "deepseek_v3_16b.toml": 8, "deepseek_v3_671b.toml": 256, "kimi_k2.toml": 1024}
 
 @pytest.mark.parametrize("name", RECIPE_FILES)
 def test_recipe_loads(name):

@@ -29,7 +29,7 @@ def test_the_second_family_trains_checkpoints_and_plans_by_its_spec(tmp_path):
 
 def test_name_and_flavor_are_checked_when_the_config_loads():
     with pytest.raises(ConfigError, match=r"^unknown model.name 'qwen4'; did you mean 'qwen3'\? \(valid: llama3, "
-                                          r"qwen3, qwen3_moe\)$"):
+                                          r"qwen3, qwen3_moe, deepseek_v3\)$"):
         load_job_config(None, ["--model.name=qwen4"])
     with pytest.raises(ConfigError, match=r"^model.flavor 'llama3.1_8b' is a flavor of llama3, but model.name is "
                                           r"'qwen3'; set model.name = 'llama3', or pick one of qwen3's flavors: "):

@@ -23,6 +23,9 @@ class MoEArgs:
     route_scale: float = 1.0
     n_groups: int = 1  # group-limited routing: experts in n_groups groups of n_experts / n_groups
     topk_groups: int = 1  # tokens choose among the experts of this many groups
+    # how a group ranks under group-limited routing: "max", its best expert's score (+ bias); "top2_sum", the
+    # sum of its two best (DeepSeek-V3)
+    group_score: Literal["max", "top2_sum"] = "max"
 
     def validate(self) -> None:
         for key in ("n_experts", "top_k", "expert_dim", "n_groups", "topk_groups"):
@@ -32,9 +35,19 @@ class MoEArgs:
             raise ConfigError(f"model.moe top_k ({self.top_k}) must be at most n_experts ({self.n_experts})")
         if self.score_func not in ("softmax", "sigmoid"):
             raise ConfigError(f"model.moe score_func must be 'softmax' or 'sigmoid', got {self.score_func!r}")
-        if self.n_experts % self.n_groups or self.topk_groups > self.n_groups:
-            raise ConfigError(f"group-limited routing needs n_groups ({self.n_groups}) dividing n_experts "
-                              f"({self.n_experts}) and topk_groups ({self.topk_groups}) <= n_groups")
+        if self.n_experts % self.n_groups:
+            raise ConfigError(f"model.moe n_groups ({self.n_groups}) must divide n_experts ({self.n_experts}): "
+                              f"group-limited routing splits the experts into equal groups; pick n_groups among "
+                              f"{', '.join(str(d) for d in range(1, self.n_experts + 1) if self.n_experts % d == 0)}")
+        if self.topk_groups > self.n_groups:
+            raise ConfigError(f"model.moe topk_groups ({self.topk_groups}) must be at most n_groups "
+                              f"({self.n_groups}): tokens keep topk_groups of the n_groups groups; lower topk_groups")
+        if self.group_score not in ("max", "top2_sum"):
+            raise ConfigError(f"model.moe group_score must be 'max' or 'top2_sum', got {self.group_score!r}")
+        if self.n_groups > 1 and self.group_score == "top2_sum" and self.n_experts // self.n_groups < 2:
+            raise ConfigError(f"model.moe group_score 'top2_sum' ranks a group by its two best experts, but "
+                              f"n_groups ({self.n_groups}) groups of {self.n_experts} experts hold one each; "
+                              f"use group_score = 'max' or fewer groups")
         if self.n_groups > 1 and self.topk_groups * self.n_experts // self.n_groups < self.top_k:
             raise ConfigError(f"topk_groups ({self.topk_groups}) groups of {self.n_experts // self.n_groups} "
                               f"experts hold fewer than top_k ({self.top_k}) experts; raise topk_groups")

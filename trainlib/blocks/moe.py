@@ -9,7 +9,8 @@ Scores are a softmax or a sigmoid of the gate's logits. Selection ranks
 `scores + expert_bias` (the auxiliary-loss-free balance: the bias steers
 which experts are picked, never how much their outputs weigh), optionally
 limited to the `topk_groups` best of `n_groups` expert groups (a group ranks
-by its best expert's score). The chosen experts' scores, renormalised to sum
+by its best expert's score, or with `group_score = "top2_sum"` by the sum of
+its two best, as DeepSeek-V3; the bias counts in both). The chosen experts' scores, renormalised to sum
 to 1 when `route_norm`, times `route_scale`, weigh their outputs.
 
 Load balance (each optional, set by the `[moe]` recipe section, `MoEConfig`):
@@ -137,9 +138,10 @@ class Router(nn.Module):
         scores = logits.softmax(-1) if a.score_func == "softmax" else logits.sigmoid()
         ranked = scores.detach() if bias is None else scores.detach() + bias
         if a.n_groups > 1:
-            group_best = ranked.view(-1, a.n_groups, a.n_experts // a.n_groups).amax(-1)
-            keep = torch.zeros_like(group_best, dtype=torch.bool).scatter_(
-                1, group_best.topk(a.topk_groups, dim=-1).indices, True)
+            grouped = ranked.view(-1, a.n_groups, a.n_experts // a.n_groups)
+            group_rank = grouped.amax(-1) if a.group_score == "max" else grouped.topk(2, dim=-1).values.sum(-1)
+            keep = torch.zeros_like(group_rank, dtype=torch.bool).scatter_(
+                1, group_rank.topk(a.topk_groups, dim=-1).indices, True)
             ranked = ranked.masked_fill(~keep.repeat_interleave(a.n_experts // a.n_groups, dim=1), float("-inf"))
         top_idx = ranked.topk(a.top_k, dim=-1).indices
         weights = scores.gather(1, top_idx)

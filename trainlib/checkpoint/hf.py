@@ -120,11 +120,18 @@ class HFWeights(LazyWeights):
     even that: `load_full_state_into_model` gathers from the stored weight
     (`stored`, `row_order`) only the rows of the rank's shard."""
 
-    def __init__(self, file_of: dict[str, Path], args: Any, spec: ModelSpec):
+    def __init__(self, file_of: dict[str, Path], args: Any, spec: ModelSpec, config: dict | None = None):
         self.args, self.spec = args, spec
         self._adapter = spec.state_dict_adapter
         self._file_of = file_of  # HF name -> the file holding it
         self._names = self._adapter.hf_weight_names(file_of, args)  # trainlib name -> HF name
+        # Block-quantized float8 weights (config.json's quantization_config: fp8 with weight_block_size, as
+        # the hub's DeepSeek-V3 holds them): each `<name>` in float8 has a `<name>_scale_inv` of one factor
+        # per block, and is read dequantized to the checkpoint's own dtype (`torch_dtype`).
+        quant = (config or {}).get("quantization_config") or {}
+        self._block = tuple(quant.get("weight_block_size") or (128, 128))
+        dtype = (config or {}).get("torch_dtype") or (config or {}).get("dtype") or "float32"
+        self._dequantized = getattr(torch, dtype) if isinstance(dtype, str) else torch.float32
 
     def __getitem__(self, name: str) -> torch.Tensor:
         return self.convert(name, self.stored(name))
@@ -145,7 +152,7 @@ class HFWeights(LazyWeights):
         theirs = self._names[name]
         if isinstance(theirs, str):
             with safe_open(str(self._file_of[theirs]), framework="pt") as handle:
-                return handle.get_tensor(theirs)
+                return self._dequantize(theirs, handle.get_tensor(theirs))
         by_file: dict[Path, list[tuple[int, str]]] = {}
         for i, part in enumerate(theirs):
             by_file.setdefault(self._file_of[part], []).append((i, part))
@@ -153,24 +160,43 @@ class HFWeights(LazyWeights):
         for file, parts in by_file.items():
             with safe_open(str(file), framework="pt") as handle:
                 for i, part in parts:
-                    t = handle.get_tensor(part)
+                    t = self._dequantize(part, handle.get_tensor(part))
                     if out is None:
                         out = torch.empty((len(theirs), *t.shape), dtype=t.dtype)
                     out[i] = t
         return out
 
+    def _dequantize(self, hf_name: str, t: torch.Tensor) -> torch.Tensor:
+        """`t` (HF weight `hf_name`), times its block scales when it is float8 with a `_scale_inv` beside it:
+        a copy in the checkpoint's dtype; anything else as it is."""
+        scale_name = hf_name + "_scale_inv"
+        if t.element_size() != 1 or not t.is_floating_point() or scale_name not in self._file_of:
+            return t
+        from safetensors import safe_open
+
+        with safe_open(str(self._file_of[scale_name]), framework="pt") as handle:
+            scale = handle.get_tensor(scale_name).float()
+        rows, cols = self._block
+        full = scale.repeat_interleave(rows, 0)[:t.shape[0]].repeat_interleave(cols, 1)[:, :t.shape[1]]
+        return (t.float() * full).to(self._dequantized)
+
     def planned(self, name: str) -> torch.Tensor:
         """What a save can be planned on for weight `name` without reading it:
-        `stored(name)` (mapped), or for a stacked weight a meta tensor of its
-        shape and dtype (`stored` would stack a copy)."""
+        `stored(name)` (mapped), or for a stacked or float8 weight a meta
+        tensor of its shape and dtype (`stored` would make a copy)."""
         from safetensors import safe_open
 
         theirs = self._names[name]
-        if isinstance(theirs, str):
+        first = theirs if isinstance(theirs, str) else theirs[0]
+        quantized = first + "_scale_inv" in self._file_of
+        if isinstance(theirs, str) and not quantized:
             return self.stored(name)
-        with safe_open(str(self._file_of[theirs[0]]), framework="pt") as handle:
-            piece = handle.get_tensor(theirs[0])
-        return torch.empty((len(theirs), *piece.shape), dtype=piece.dtype, device="meta")
+        with safe_open(str(self._file_of[first]), framework="pt") as handle:
+            piece = handle.get_slice(first)
+            shape = tuple(piece.get_shape())
+            dtype = self._dequantized if quantized else handle.get_tensor(first).dtype
+        shape = shape if isinstance(theirs, str) else (len(theirs), *shape)
+        return torch.empty(shape, dtype=dtype, device="meta")
 
     def row_order(self, name: str) -> torch.Tensor | None:
         """Which stored row each of `self[name]`'s rows is (None: the same)."""
@@ -195,13 +221,13 @@ def read_hf_folder(path: str | os.PathLike) -> tuple[Any, HFWeights]:
         for f in sorted(path.glob("*.safetensors")):
             with safe_open(str(f), framework="pt") as handle:
                 file_of.update(dict.fromkeys(handle.keys(), f))
-        return args, HFWeights(file_of, args, spec)
+        return args, HFWeights(file_of, args, spec, config)
     weight_map = json.loads(index.read_text())["weight_map"]  # the index's files: others may be stale
     absent = sorted({f for f in weight_map.values() if not (path / f).is_file()})
     if absent:
         raise ConfigError(f"{index} lists {len(absent)} file(s) the folder lacks ({', '.join(absent[:3])}"
                           f"{', ...' if len(absent) > 3 else ''}): an incomplete download or copy; fetch them")
-    return args, HFWeights({name: path / f for name, f in weight_map.items()}, args, spec)
+    return args, HFWeights({name: path / f for name, f in weight_map.items()}, args, spec, config)
 
 
 def write_hf_folder(sd: Mapping[str, torch.Tensor], args: Any, out_dir: str | os.PathLike, *,
@@ -222,6 +248,8 @@ def write_hf_folder(sd: Mapping[str, torch.Tensor], args: Any, out_dir: str | os
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     hf_name = adapter.trainlib_weight_names(sd, args)
+    # trainlib name -> further HF names the format stores the same tensor under (optional in an adapter)
+    copies = adapter.hf_weight_copies(args) if hasattr(adapter, "hf_weight_copies") else {}
     names = sorted(hf_name, key=lambda name: _file_order(name, spec))
     specs = {name: _spec(sd, name) for name in names}
     out_dtype = dtype or specs[names[0]][1]
@@ -238,6 +266,8 @@ def write_hf_folder(sd: Mapping[str, torch.Tensor], args: Any, out_dir: str | os
             t, theirs = adapter.trainlib_weight_to_hf(name, t.to(out_dtype), args), hf_name[name]
             if isinstance(theirs, str):
                 hf[theirs] = t.contiguous()
+                # the same tensor stored again under other names (a family's `hf_weight_copies`), each a clone
+                hf.update({other: t.clone() for other in copies.get(name, ())})
             else:  # one HF tensor per slice of the first dimension (an MoE layer's experts), each a
                 # clone: safetensors refuses tensors that share memory
                 hf.update(zip(theirs, (piece.clone() for piece in t.unbind(0)), strict=True))
@@ -314,7 +344,10 @@ def load_full_state_into_model(model_parts: list[nn.Module], sd: Mapping[str, to
         raise ConfigError(f"{source} lacks {len(lacking)} weight(s) this model has ({', '.join(lacking[:3])}"
                           f"{', ...' if len(lacking) > 3 else ''}): point checkpoint.initial_load_path at a whole "
                           "checkpoint of this model")
-    for name, p in params:
+    # persistent buffers the source holds too (an MoE's load-balance bias where the format stores it)
+    buffers = [(canonical_name(name), b) for part in model_parts for name, b in part.named_buffers()
+               if canonical_name(name) in sd]
+    for name, p in params + buffers:
         if isinstance(sd, HFWeights):  # as stored: a shard's rows are put in trainlib's order, never the whole
             copy_full_(p, sd.stored(name), sd.row_order(name))
         else:

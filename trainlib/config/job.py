@@ -49,7 +49,7 @@ class ModelConfig:
         "help": "document: no token attends across a document boundary inside a packed window (docs/data.md)"})
     mtp_depth: int | None = field(default=None, metadata={
         "help": "multi-token prediction depth modules (each predicts one token further); none = the flavor's; "
-                "a family without multi-token prediction takes only 0 (docs/deepseek_v3.md)"})
+                "a family without multi-token prediction takes only 0"})
     mtp_loss_weight: float = field(default=0.3, metadata={
         "help": "lambda of the objective main + lambda * mean over depths of the MTP losses (0.3: TorchTitan's "
                 "default and the DeepSeek-V3 report's first phase, which then used 0.1; Megatron's default is 0.1)"})

@@ -13,6 +13,7 @@ from types import ModuleType
 from typing import Any
 
 from trainlib.errors import ConfigError
+from trainlib.models.deepseek_v3 import args as deepseek_v3
 from trainlib.models.llama3 import args as llama3
 from trainlib.models.qwen3 import args as qwen3
 from trainlib.models.qwen3_moe import args as qwen3_moe
@@ -22,6 +23,7 @@ FAMILIES: dict[str, ModuleType] = {family.NAME: family for family in (
     llama3,
     qwen3,
     qwen3_moe,
+    deepseek_v3,
 )}
 
 # The family of a recipe that names none (model.name's default).

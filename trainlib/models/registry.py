@@ -12,7 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from trainlib.models import llama3, qwen3, qwen3_moe
+from trainlib.models import deepseek_v3, llama3, qwen3, qwen3_moe
 from trainlib.models.flavors import DEFAULT_MODEL, check_name, model_args
 from trainlib.models.spec import ModelSpec
 
@@ -22,6 +22,7 @@ MODELS: dict[str, ModelSpec] = {spec.name: spec for spec in (
     llama3.SPEC,
     qwen3.SPEC,
     qwen3_moe.SPEC,
+    deepseek_v3.SPEC,
 )}
 
 

@@ -32,7 +32,9 @@ def apply_fsdp(
     Under expert parallel (`expert_mesh`: efsdp, or (dp_replicate, efsdp) for
     HSDP) each block's routed experts, already sharded over ep
     (trainlib.parallel.ep), get their own FSDP unit on that mesh first, so the
-    block's unit on `mesh` leaves them out.
+    block's unit on `mesh` leaves them out; so do routed experts outside
+    `layers` (the block of a multi-token prediction module), which the root
+    unit would otherwise take on `mesh`.
 
     Gradients are reduced with SUM, not the default mean: the training loop
     already divides the loss by the number of tokens in the whole global batch,
@@ -42,13 +44,12 @@ def apply_fsdp(
     # Pinned memory needs an accelerator; on CPU-only hosts FSDP refuses it.
     offload = CPUOffloadPolicy(pin_memory=torch.cuda.is_available()) if cpu_offload else OffloadPolicy()
     kwargs = dict(mesh=mesh, mp_policy=mp, offload_policy=offload)
+    if expert_mesh is not None:  # every routed experts module, blocks' and any outside them
+        for module in model.modules():
+            if isinstance(module, GroupedExperts):
+                fully_shard(module, reshard_after_forward=reshard_after_forward, **(kwargs | {"mesh": expert_mesh}))
     for path in block_paths(model).values():
         block = get_block(model, path)
-        if expert_mesh is not None:
-            for module in block.modules():
-                if isinstance(module, GroupedExperts):
-                    fully_shard(module, reshard_after_forward=reshard_after_forward,
-                                **(kwargs | {"mesh": expert_mesh}))
         fully_shard(block, reshard_after_forward=reshard_after_forward, **kwargs)
     fully_shard(model, reshard_after_forward=False, **kwargs)
     for module in model.modules():
