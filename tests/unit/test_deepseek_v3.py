@@ -158,7 +158,7 @@ def test_mtp_forward_matches_a_plain_reference():
     tokens = _tokens(s=16, vocab=args.vocab_size)
     shifted = [torch.roll(tokens, -k, dims=1) for k in (1, 2)]  # any [b, s] tokens do
     with torch.no_grad():
-        main, outs = model(tokens, mtp_inputs=shifted)
+        main, *outs = model(tokens, mtp_inputs=shifted)
         assert torch.equal(main, model(tokens))
         h = model.tok_embeddings(tokens)
         for layer in model.layers.values():
@@ -174,11 +174,11 @@ def test_mtp_forward_matches_a_plain_reference():
             torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-5)
         assert (outs[0] - outs[1]).abs().max() > 1e-2
         model.output_in_forward = False  # the chunked loss applies the head: the normed hidden states come back
-        _, hidden = model(tokens, mtp_inputs=shifted)
+        _, *hidden = model(tokens, mtp_inputs=shifted)
         torch.testing.assert_close(hidden[1] @ model.output.weight.T, want[1], rtol=1e-5, atol=1e-5)
         # embedded inputs (a pipeline's last stage has no embedding) give the same
         model.output_in_forward = True
-        _, again = model(tokens, mtp_inputs=[model.tok_embeddings(t) for t in shifted])
+        _, *again = model(tokens, mtp_inputs=[model.tok_embeddings(t) for t in shifted])
         assert all(torch.equal(a, b) for a, b in zip(again, outs))
     with pytest.raises(ValueError, match="forward got 1 MTP inputs; this model has 2 MTP depths"):
         model(tokens, mtp_inputs=shifted[:1])
@@ -287,7 +287,7 @@ def test_mtp_weights_use_the_hubs_names_and_an_independent_reference(tmp_path):
         h1 = block(x, position_embeddings=hf.model.rotary_emb(x, pos),
                    attention_mask=torch.full((20, 20), float("-inf")).triu(1)[None, None])
         want = _rms(h1, own["shared_head.norm.weight"]) @ own["shared_head.head.weight"].T
-        main, (got,) = ours(tokens, mtp_inputs=[nxt])
+        main, got = ours(tokens, mtp_inputs=[nxt])
     assert (main - out.logits).abs().max() < 1e-5
     diff = (got - want).abs().max().item()
     assert diff < 1e-5, diff
@@ -434,7 +434,7 @@ def test_config_round_trip_and_refusals():
 # ------------------------------------------------------------------------------------ tensor parallel
 
 
-def _tp_matches_one_process(rank, world, sequence_parallel):
+def _tp_matches_one_process(rank, world, sequence_parallel, latent):
     import copy
 
     from torch.distributed.device_mesh import init_device_mesh
@@ -449,14 +449,17 @@ def _tp_matches_one_process(rank, world, sequence_parallel):
     _scramble_(ref, 1)
     model = copy.deepcopy(ref)
     apply_tp(model, init_device_mesh("cpu", (world,), mesh_dim_names=("tp",)),
-             tp_plan(sequence_parallel, False, mtp_depth=1))
+             tp_plan(sequence_parallel, False, mtp_depth=1, latent=latent))
     tokens = _tokens(s=16, vocab=args.vocab_size)
     nxt = torch.roll(tokens, -1, dims=1)
+    seen = []  # the sequence length attention's input holds: this rank's shard under the latent option
+    model.layers["1"].attention.register_forward_pre_hook(lambda mod, a: seen.append(a[0].shape[1]))
     g = torch.Generator().manual_seed(2)
     probe = [torch.randn(2, 16, args.vocab_size, generator=g) for _ in range(2)]
     for m in (ref, model):
-        main, (depth1,) = m(tokens, mtp_inputs=[nxt])
+        main, depth1 = m(tokens, mtp_inputs=[nxt])
         ((main * probe[0]).sum() + (depth1 * probe[1]).sum()).backward()
+    assert seen == [16 // world if latent else 16]
     for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
         got = p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad
         # without the shared rope key's all-reduce, wkv_a's rope rows miss the other rank's heads
@@ -464,11 +467,12 @@ def _tp_matches_one_process(rank, world, sequence_parallel):
         assert err < 1e-5, f"{name}: relative error {err:.1e}"
 
 
-@pytest.mark.parametrize("sequence_parallel", [True, False])
-def test_tensor_parallel_gradients_match_one_process(sequence_parallel):
+@pytest.mark.parametrize("sequence_parallel,latent", [(True, False), (False, False), (True, True)])
+def test_tensor_parallel_gradients_match_one_process(sequence_parallel, latent):
     """TP2 of the whole model, MTP module included (its forward with mtp_inputs): every parameter's gradient
     as on one process (fp32). The down-projections and latent norms are whole on every rank, the rope key's
-    gradient summed over the ranks' heads."""
+    gradient summed over the ranks' heads; with `latent` (Megatron's option) the down-projections run on
+    each rank's sequence shard and their latents are gathered, their weights' gradients summed over tp."""
     from tests.helpers import spawn
 
-    spawn(_tp_matches_one_process, 2, sequence_parallel)
+    spawn(_tp_matches_one_process, 2, sequence_parallel, latent)

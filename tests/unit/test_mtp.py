@@ -56,7 +56,7 @@ def test_the_mtp_objective_is_main_plus_weighted_mean_of_depth_losses():
     logits = [torch.randn(2, 6, 11, generator=g) for _ in range(3)]
     labels = [torch.randint(0, 11, (2, 6), generator=g) for _ in range(3)]
     labels[2][0, :3] = IGNORE_INDEX
-    total, terms = mtp_objective(2, 0.3)((logits[0], logits[1:]), {"labels": labels[0], "mtp_labels": labels[1:]},
+    total, terms = mtp_objective(2, 0.3)((logits[0], *logits[1:]), {"labels": labels[0], "mtp_labels": labels[1:]},
                                          cross_entropy_sum)
 
     def ce(x, y):

@@ -126,6 +126,19 @@ def _validate_tp_pp(cfg: JobConfig, dims: ParallelDims, model: ResolvedModel) ->
     par, tp = cfg.parallelism, dims.tp
     model_args = model.args
     model.spec.validate(model_args, dims.degrees(), cfg.training.seq_len)
+    if par.tp_latent_sequence_parallel:
+        shapes = model.spec.block_shapes(model_args)
+        if not any(b.kv_lora_rank for b in shapes):
+            raise ConfigError("parallelism.tp_latent_sequence_parallel gathers MLA attention's latents, and this "
+                              f"model ({cfg.model.name} {cfg.model.flavor}) has no MLA block; set it to false")
+        if any(b.kv_lora_rank and not b.q_lora_rank for b in shapes):
+            raise ConfigError("parallelism.tp_latent_sequence_parallel needs MLA's query down-projection "
+                              f"(q_lora_rank > 0): without it the queries need every token's hidden state; this "
+                              f"flavor ({cfg.model.flavor}) has q_lora_rank 0; set it to false")
+        if dims.tp_enabled and not par.tp_sequence_parallel:
+            raise ConfigError("parallelism.tp_latent_sequence_parallel keeps MLA's down-projections on the "
+                              "sequence shards of sequence parallelism; set parallelism.tp_sequence_parallel = "
+                              "true, or tp_latent_sequence_parallel = false")
     if dims.tp_enabled:
         if par.tp_sequence_parallel and cfg.training.seq_len % tp:
             raise ConfigError(

@@ -64,12 +64,12 @@ def mtp_prepare_batch(depth: int) -> Callable[[dict], dict] | None:
 
 def mtp_objective(depth: int, weight: float) -> Callable | None:
     """(output, micro_batch, ce) -> (CE_main + weight * mean_k CE_k, {"mtp_loss_k": CE_k}), for a model whose
-    forward returns (main output, [depth k's output, ...]) when given `mtp_inputs`; None for depth 0."""
+    forward returns the flat tuple (main output, depth 1's output, ...) when given `mtp_inputs`; None for depth 0."""
     if not depth:
         return None
 
     def objective(out, mb: dict, ce) -> tuple[torch.Tensor, dict]:
-        main, per_depth = out
+        main, *per_depth = out
         total = ce(main, mb["labels"])
         terms = {}
         for k, (o, labels) in enumerate(zip(per_depth, mb["mtp_labels"], strict=True), start=1):

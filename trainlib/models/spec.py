@@ -87,7 +87,13 @@ class BlockShape:
                   it differs from head_dim (MLA: v_head_dim, 128); None: head_dim
     The planner's CP lines (trainlib.plan.comm.cp_bytes, ulysses_bytes,
     trainlib.plan.memory.cp_kept_bytes) price K and V as head_dim + v_dim per KV
-    head and token."""
+    head and token.
+      q_lora_rank, kv_lora_rank, rope_head_dim
+                  MLA's down-projections: the query latent (0: queries straight
+                  from the hidden state), the key/value latent and the RoPE key
+                  they produce; all 0 for GQA. What tensor parallel's latent
+                  option gathers (parallelism.tp_latent_sequence_parallel) and
+                  the planner prices as the block's latent activations."""
 
     dim: int
     n_heads: int
@@ -96,6 +102,11 @@ class BlockShape:
     ffn_dim: int
     moe: object = None  # trainlib.blocks.moe.MoEArgs of an MoE block, else None
     v_head_dim: int | None = None  # v's (and the output's) head width where it differs from head_dim (MLA)
+    # MLA's latents (0: GQA): the query down-projection's width (0: no q-LoRA), the key/value latent's, and the
+    # RoPE key width every head shares (part of the key/value down-projection's output)
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    rope_head_dim: int = 0
 
     @property
     def v_dim(self) -> int:

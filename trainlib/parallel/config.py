@@ -57,6 +57,10 @@ class ParallelismConfig:
         "help": "under TP, shard norms and the residual stream along the sequence (needs seq_len % tp == 0)"})
     tp_loss_parallel: bool = field(default=True, metadata={
         "help": "under TP, compute the loss on vocabulary-sharded logits, never gathering whole logits"})
+    tp_latent_sequence_parallel: bool = field(default=False, metadata={
+        "help": "MLA attention under TP with sequence parallelism: run the query and key/value down-projections on "
+                "each rank's sequence shard and all-gather their latents (q_lora_rank + kv_lora_rank + rope wide, "
+                "Megatron's way) instead of the hidden states (dim wide); needs q_lora_rank > 0"})
     tp_async: bool = field(default=False, metadata={
         "help": "under TP, overlap its collectives with the matmuls (CUDA and compile.enable only)"})
     # Pipeline parallel (trainlib.parallel.pp); see docs/pipeline_parallel.md.

@@ -25,13 +25,13 @@ Multi-token prediction (args.mtp_depth = D > 0): `mtp`, an nn.ModuleDict "0" .. 
 enorm, hnorm (RMSNorms), eh_proj (Linear 2 * dim -> dim), one decoder block of the last layer's kind
 (`transformer_layer`) and its final norm (`norm`, the hub's shared_head.norm); the embedding and the output
 head are the main model's. `forward(tokens, ..., mtp_inputs=[t_1, ..., t_D])` (t_k[:, i] the token at window
-position i + k) returns (main output, [depth 1 output, ..., depth D output]) where
+position i + k) returns the flat tuple (main output, depth 1 output, ..., depth D output) where
     h_0 = the last block's output (before the final norm)
     h_k = block_k(eh_proj_k(cat(enorm_k(embed(t_k)), hnorm_k(h_{k-1}))))
     out_k = output(norm_k(h_k)), or norm_k(h_k) when `output_in_forward` is False.
-Without mtp_inputs forward returns the main output only. On pipeline stages `mtp` belongs to the last
-stage (ModelSpec.stage_roots); there the embedding is absent, and t_k may be given already embedded
-([b, s, dim] floating point).
+Without mtp_inputs forward returns the main output only, and so does a pipeline stage without `mtp`
+(it belongs to the last stage, ModelSpec.stage_roots, which holds a copy of the embedding:
+`last_stage_copies`, trainlib.parallel.pp). t_k may also be given already embedded ([b, s, dim]).
 """
 
 from __future__ import annotations
@@ -148,8 +148,10 @@ class MLA(attention.Attention):
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
                 ) -> torch.Tensor:
-        b, s, _ = x.shape
+        # s from the projections, not from x: under tensor parallel's latent option x is this rank's
+        # sequence shard and the down-projections' outputs are gathered to the whole sequence
         q = self.wq_b(self.q_norm(self.wq_a(x))) if hasattr(self, "wq_a") else self.wq(x)
+        b, s = q.shape[:2]
         q_nope, q_pe = q.view(b, s, -1, self.nope + self.rope_dim).split([self.nope, self.rope_dim], dim=-1)
         latent, k_pe = self.wkv_a(x).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         kv = self.wkv_b(self.kv_norm(latent)).view(b, s, -1, self.nope + self.v_dim)
@@ -217,7 +219,7 @@ class Transformer(layers.DecoderLM):
     def forward(self, tokens: torch.Tensor, position_ids: torch.Tensor | None = None,
                 doc_ids: torch.Tensor | None = None, mtp_inputs: list[torch.Tensor] | None = None):
         """DecoderLM's forward; with `mtp_inputs` (a list of mtp_depth [b, s] token tensors, or their
-        embeddings), also the MTP depths' outputs: (main output, [depth 1, ..., depth D])."""
+        embeddings), also the MTP depths' outputs: (main output, depth 1, ..., depth D)."""
         h = self.embed(tokens)
         mask = self.attention_mask(doc_ids, h.dtype) if doc_ids is not None else None
         rope = self.rope[position_ids] if position_ids is not None else self.rope
@@ -233,7 +235,7 @@ class Transformer(layers.DecoderLM):
             embedded = self.embed(t)
             h = module(embedded, h, rope, mask)
             outs.append(self._head(module.norm, h))
-        return main, outs
+        return (main, *outs)
 
     def extra_block_paths(self) -> dict[int, str]:
         """The MTP modules' blocks, as blocks every parallel axis wraps (trainlib.blocks.paths), numbered
@@ -342,13 +344,16 @@ def block_forward_flops(args: ModelArgs, seq_len: int) -> list[tuple[str, float,
 
 
 def block_shapes(args: ModelArgs) -> list[BlockShape]:
-    """Every decoder block's shape, for the planner, in the GQA terms BlockShape has: n_kv_heads = n_heads
-    (MLA's keys and values are per head once wkv_b has run) and head_dim the query/key width (nope + rope);
+    """Every decoder block's shape, for the planner: n_kv_heads = n_heads (MLA's keys and values are per
+    head once wkv_b has run), head_dim the query/key width (nope + rope), v_head_dim the value's, and the
+    latents (q_lora_rank, kv_lora_rank, rope_head_dim);
     ffn_dim the dense MLP's width, or for an MoE block the hidden width a token activates
     ((top_k + n_shared_experts) * expert_dim) with its MoEArgs as moe."""
     m = args.moe
     active = (m.top_k + m.n_shared_experts) * m.expert_dim
-    shape = dict(dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_heads, head_dim=args.qk_head_dim)
+    shape = dict(dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_heads, head_dim=args.qk_head_dim,
+                 v_head_dim=args.v_head_dim, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
+                 rope_head_dim=args.qk_rope_head_dim)
     return [BlockShape(**shape, ffn_dim=args.ffn_dim) if i < args.n_dense_layers
             else BlockShape(**shape, ffn_dim=active, moe=m) for i in range(args.n_layers)]
 

@@ -21,8 +21,8 @@ from collections.abc import Mapping
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Partial, Replicate, distribute_module
-from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, RowwiseParallel
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distribute_module
+from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
 from trainlib.errors import ConfigError
 from trainlib.parallel.apply import parallelize_dense
@@ -44,15 +44,24 @@ def parallelize_deepseek_v3(model: nn.Module, parallel_dims: ParallelDims, paral
     """DeepSeek-V3's axes in the fixed dense order (trainlib.parallel.apply), with its TP plan for this
     model's MTP depth. Keyword arguments: param_dtype, reduce_dtype, ac, compile (parallelize_dense's)."""
     depth = len(model.mtp) if getattr(model, "mtp", None) is not None else 0
+    latent = parallelism.tp_latent_sequence_parallel
     return parallelize_dense(model, parallel_dims, parallelism,
-                             lambda sp, lp: tp_plan(sp, lp, mtp_depth=depth), **kwargs)
+                             lambda sp, lp: tp_plan(sp, lp, mtp_depth=depth, latent=latent), **kwargs)
 
 
-def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
+def block_plan(sequence_parallel: bool, latent: bool = False) -> dict[str, ParallelStyle]:
     """One decoder block's entries (a block takes those of its modules it has: wq or wq_a/wq_b, the dense
-    MLP or the MoE)."""
+    MLP or the MoE). `latent` (parallelism.tp_latent_sequence_parallel, under SP): attention takes this
+    rank's sequence shard as it is, the down-projections wq_a and wkv_a run on it and all-gather their
+    outputs, the latents (`_GatheredLatent`)."""
     act, norm = activation_layout(sequence_parallel), norm_style(sequence_parallel)
     whole = _Whole()
+    if latent:
+        shard = _GatheredLatent()
+        return {**block_plan(sequence_parallel),
+                "attention": PrepareModuleInput(input_layouts=(act, None, None), desired_input_layouts=(act, None, None),
+                                                use_local_output=True),
+                "attention.wq_a": shard, "attention.wkv_a": shard}
     return {
         "attention_norm": norm, "ffn_norm": norm,
         # attention(x, rope, mask): the sequence gathered once for every projection; rope and mask plain
@@ -67,6 +76,24 @@ def block_plan(sequence_parallel: bool) -> dict[str, ParallelStyle]:
         "feed_forward.w2": RowwiseParallel(output_layouts=act),
         "moe": moe_style(sequence_parallel),
     }
+
+
+class _GatheredLatent(ParallelStyle):
+    """A down-projection run on this rank's sequence shard (Megatron's way for MLA under SP): the weight is
+    a replicated DTensor, the output (this rank's tokens' latents) is all-gathered to the whole sequence, a
+    plain tensor. Every rank's gradient of that whole output is the same (the column-wise up-projections
+    after the latent norms sum theirs over tp, the rope key's is summed by `k_rope`), so the gather's
+    backward keeps this rank's rows without communication; the weight's gradient, this rank's tokens'
+    share, is a pending sum over tp (as the MoE's replicated weights', resolved before the clip)."""
+
+    def _apply(self, module: nn.Module, device_mesh: DeviceMesh) -> nn.Module:
+        def inputs(mod, args, mesh):
+            return tuple(DTensor.from_local(x, mesh, [Shard(1)], run_check=False) for x in args)
+
+        def outputs(mod, out, mesh):
+            return out.redistribute(mesh, [Replicate()]).to_local()
+
+        return distribute_module(module, device_mesh, input_fn=inputs, output_fn=outputs)
 
 
 class _Whole(ParallelStyle):
@@ -97,7 +124,7 @@ class _SumGradOverTP(ParallelStyle):
         return distribute_module(module, device_mesh, input_fn=inputs)
 
 
-def tp_plan(sequence_parallel: bool, loss_parallel: bool, mtp_depth: int = 0) -> TPPlan:
+def tp_plan(sequence_parallel: bool, loss_parallel: bool, mtp_depth: int = 0, latent: bool = False) -> TPPlan:
     """The root modules as the dense families' (vocab-sharded embedding and output projection, the final
     norm), `block_plan` for every block (the MTP modules' blocks included: trainlib.blocks.paths), and for
     each MTP depth k the root entries of its norms and eh_proj."""
@@ -109,7 +136,7 @@ def tp_plan(sequence_parallel: bool, loss_parallel: bool, mtp_depth: int = 0) ->
         root.update({prefix + "enorm": norm, prefix + "hnorm": norm, prefix + "norm": norm,
                      prefix + "eh_proj": ColwiseParallel(input_layouts=act, output_layouts=act)})
         # its transformer_layer is a block (Transformer.extra_block_paths): apply_tp gives it `block`
-    return TPPlan(root=root, block=block_plan(sequence_parallel))
+    return TPPlan(root=root, block=block_plan(sequence_parallel, latent and sequence_parallel))
 
 
 def validate_degrees(args, degrees: Mapping[str, int], seq_len: int) -> None:
