@@ -196,7 +196,9 @@ def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, tokenizer, lo
         "model": ModelState(built.parts), "optimizer": OptimizerState(built.parts, optimizer),
         "scheduler": scheduler, "dataloader": loader, "guard": guard,
         "trainer": TrainState(tokens_per_step=t.global_batch_size * t.seq_len, model_args=built.model_args,
-                              model_name=cfg.model.name, schedule=schedule_settings(cfg))})
+                              model_name=cfg.model.name, schedule=schedule_settings(cfg),
+                              moe={f"moe.{k}": v for k, v in vars(cfg.moe).items()} if built.runner.moe_experts
+                              else None)})
     start_step = checkpointer.load()
     validator = build_validator(cfg.validation, tokenizer, t.seq_len, local_bs, grad_accum, t.seed, built.runner)
     profiler = Profiler(cfg.profiling, run_dir, info.rank, info.device, start_step)
@@ -261,7 +263,7 @@ def train_loop(job: Job) -> list[dict]:
                                     optimizer=job.optimizer)
         if job.guard.check(step, loss, grad_norm):  # judged on the device; False: a skip the host knows of
             job.optimizer.step()
-        job.runner.after_optimizer_step()  # float8's next scales (an MoE router's bias next)
+        job.runner.after_optimizer_step(job.guard.withheld)  # float8's next scales, MoE bias; none if withheld
         job.scheduler.step()
         job.optimizer.zero_grad(set_to_none=True)
         job.metrics.step_done(tokens_per_step)
