@@ -10,6 +10,7 @@ bottom.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -154,33 +155,42 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     dims.build_mesh(info.device.type)
 
     run_dir = Path(cfg.job.dump_folder)
-    lock, refused = None, None
+    lock, refused, made = None, None, []
     if info.rank == 0:
+        folders = [run_dir, *([checkpoint_root(cfg.checkpoint, run_dir)] if cfg.checkpoint.enable else [])]
+        made = [p for f in folders for p in (f, *f.parents) if not p.exists()]  # a refused launch removes them
         try:  # the folders are usable, and no live run holds them: before anything of this run is written
             writable_folder(run_dir, "job.dump_folder")
             if cfg.checkpoint.enable:
-                writable_folder(checkpoint_root(cfg.checkpoint, run_dir), "checkpoint.folder")
+                writable_folder(folders[1], "checkpoint.folder")
             lock = RunLock(run_dir)
         except ConfigError as e:
             refused = str(e)
+            _remove_empty(made)
     refused = from_rank0(refused)  # every rank of this launch stops alike
     if refused is not None:
         raise ConfigError(refused)
     try:
         return _build_job(cfg, info, dims, tokenizer, local_bs, grad_accum, run_dir, lock)
-    except BaseException:  # the folder is free again for the next launch of this process (a retry, a test)
-        if lock is not None:
-            lock.close()
+    except BaseException as e:  # the folder is free again for the next launch of this process (a retry, a test)
+        if lock is not None:  # refused at start-up: the folder as this launch found it (docs/reliability.md)
+            lock.close(refused=isinstance(e, ConfigError))
+            if isinstance(e, ConfigError):
+                _remove_empty(made)
         raise
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove those of `folders` that are empty, deepest first (what a refused launch made)."""
+    for p in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):  # not empty (something else wrote there), or gone
+            p.rmdir()
 
 
 def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, tokenizer, local_bs: int, grad_accum: int,
                run_dir: Path, lock: RunLock | None) -> Job:
     """`setup` from the run folder on, once this launch holds it."""
     t = cfg.training
-    if info.rank == 0:
-        save_config(cfg, run_dir / "config.toml")
-
     dp_rank, dp_world = dims.dp_coords()  # the data's refusals come before the memory check's, which may follow from them
     loader = build_dataloader(cfg.data, tokenizer, t.seq_len, local_bs, dp_rank, dp_world, t.seed)
     built = build_model_parts(cfg, dims, info.device)  # meta build, float8, PP split, parallelize
@@ -202,6 +212,8 @@ def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, tokenizer, lo
     start_step = checkpointer.load()
     validator = build_validator(cfg.validation, tokenizer, t.seq_len, local_bs, grad_accum, t.seed, built.runner)
     profiler = Profiler(cfg.profiling, run_dir, info.rank, info.device, start_step)
+    if info.rank == 0:  # every start-up check has passed: from here on this launch writes into the run folder
+        save_config(cfg, run_dir / "config.toml")
     flops = get_model_spec(cfg.model.name).flops_per_token(built.model_args, t.seq_len)
     metrics = MetricsLogger(cfg.metrics, run_dir, rank=info.rank, device=info.device, flops_per_token=flops,
                             world_size=info.world_size, float8=cfg.float8.enable, start_step=start_step,
