@@ -339,6 +339,46 @@ def test_a_full_disk_skips_that_save_but_not_the_last_one_and_other_errors_propa
     assert complete_steps(ck.root) == [1, 5]
 
 
+@pytest.mark.parametrize("where", ["shards", "manifest"])
+def test_a_full_disk_is_recognised_by_its_free_space_whatever_error_reports_it(tmp_path, monkeypatch, caplog, where):
+    # issue 54 item 6: torch's zip writer reports a full tmpfs as "RuntimeError: [enforce fail at
+    # inline_container.cc:672] unexpected pos", which _save_failed let through as a traceback that ended the run.
+    import shutil
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    from trainlib.checkpoint import incomplete_folders
+    from trainlib.checkpoint.manager import MANIFEST
+
+    model, opt, sched, ck = _job(tmp_path, interval=1)
+    ck.maybe_save(1, last_step=3)
+    size = sum(f.stat().st_size for f in step_folder(ck.root, 1).iterdir())
+    cls, name = (FileSystemWriter, "write_data") if where == "shards" else (Path, "write_text")
+    original, disk_usage, free = getattr(cls, name), shutil.disk_usage, [size // 2]
+
+    def failing(self, *a, **kw):
+        if where == "shards" or self.name == MANIFEST:
+            raise (RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 320 vs 210") if
+                   where == "shards" else OSError(errno.EIO, "Input/output error"))
+        return original(self, *a, **kw)
+
+    def usage(path):
+        assert Path(path) == ck.root  # the save's own target
+        return disk_usage(path)._replace(free=free[0])
+
+    monkeypatch.setattr(cls, name, failing)
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    ck.maybe_save(2, last_step=3)  # half a checkpoint free: a full disk; training goes on
+    assert re.search(r"checkpoint step 2 not saved: no space left on device \(\d+(\.\d+)? \w+ free in \S+, a "
+                     r"checkpoint takes about \d+(\.\d+)? \w+; (RuntimeError|OSError) on ranks? .*\); step 1 stays the latest "
+                     r"complete checkpoint in \S+; training continues and the next save retries", caplog.text)
+    assert complete_steps(ck.root) == [1] and incomplete_folders(ck.root) == []
+    free[0] = 1000 * size  # room enough: the failure is not a full disk and propagates as it is
+    with pytest.raises((RuntimeError, OSError, CheckpointException), match="unexpected pos|Input/output"):
+        ck.maybe_save(3, last_step=4)
+
+
 def test_a_step_saved_again_after_going_back_in_time_replaces_the_old_one(tmp_path):
     model, opt, sched, ck = _job(tmp_path, interval=2)
     for step in (2, 4):

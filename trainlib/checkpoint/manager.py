@@ -455,10 +455,36 @@ class Checkpointer:
     def _save_failed(self, step: int, err: CheckpointException) -> None:
         """A full disk on any rank: one line, the partial folder removed, and
         training goes on (the next save retries); the final step's save
-        re-raises. Any other failure propagates as it is."""
-        if not all(isinstance(exc, OSError) and exc.errno == errno.ENOSPC for exc, _ in err.failures.values()):
+        re-raises. A full disk is an OSError ENOSPC on every failing rank, or,
+        whatever layer reported the failure (torch's zip writer says
+        `unexpected pos`), less free space on the target than a checkpoint
+        takes. Any other failure propagates as it is."""
+        failures = [exc for exc, _ in err.failures.values()]
+        if all(isinstance(exc, OSError) and exc.errno == errno.ENOSPC for exc in failures):
+            self._disk_full(step, f"ranks {sorted(err.failures)}", err)
+            return
+        short = self._short_of_space(step)  # each rank its own look (no collective: an async save's failure
+        # reaches the ranks at different steps); ranks that disagree fail as before
+        if short is None:
             raise err
-        self._disk_full(step, f"ranks {sorted(err.failures)}", err)
+        first = failures[0] if failures else err
+        self._disk_full(step, f"{short}; {type(first).__name__} on ranks {sorted(err.failures)}: "
+                              f"{str(first).splitlines()[0] if str(first) else ''}", err)
+
+    def _short_of_space(self, step: int) -> str | None:
+        """Why the checkpoint folder's file system is full (`N MiB free in <root>, a checkpoint takes about M
+        MiB`), else None: its free space is below the size of a checkpoint (the latest complete one's files,
+        else the failed save's part written so far, with this rank's state's bytes times the world size at
+        least)."""
+        free = shutil.disk_usage(self.root).free
+        latest = latest_step(self.root)
+        folder = step_folder(self.root, latest) if latest is not None else self.root / f"step-{step}.tmp"
+        need = sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) if folder.is_dir() else 0
+        if latest is None:
+            need = max(need, _state_bytes(self.states) * (dist.get_world_size() if dist.is_initialized() else 1))
+        if free >= need:
+            return None
+        return f"{_size(free)} free in {self.root}, a checkpoint takes about {_size(need)}"
 
     def _disk_full(self, step: int, who: str, err: Exception) -> None:
         """Step `step`'s save failed for a full disk (`err`): one line from rank
@@ -489,9 +515,11 @@ class Checkpointer:
         try:
             (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
         except OSError as e:
-            if e.errno != errno.ENOSPC:
+            short = None if e.errno == errno.ENOSPC else self._short_of_space(step)
+            if e.errno != errno.ENOSPC and short is None:
                 raise
-            self._disk_full(step, f"rank 0 writing {MANIFEST}", e)
+            self._disk_full(step, f"{short}; {type(e).__name__} on rank 0 writing {MANIFEST}: {e}" if short
+                            else f"rank 0 writing {MANIFEST}", e)
             return
         if final.exists():  # re-saving a step after load_step went back in time
             shutil.rmtree(final)
@@ -542,6 +570,35 @@ class Checkpointer:
                 f"checkpoint of step {step} refused: {n.item()} tensors hold NaN or Inf"
                 + (f" (this rank: {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})" if bad else "")
                 + f"; the latest complete checkpoint stays {'step ' + str(latest) if latest is not None else 'none'}")
+
+
+def _state_bytes(states: dict[str, Stateful]) -> int:
+    """The bytes of this rank's tensors (a shard's local part) in every part's state dict."""
+    total = 0
+
+    def walk(value: Any) -> None:
+        nonlocal total
+        if isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+        elif isinstance(value, torch.Tensor):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            total += local.numel() * local.element_size()
+
+    for part in states.values():
+        walk(part.state_dict())
+    return total
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
 
 
 @contextlib.contextmanager
