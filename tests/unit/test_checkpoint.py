@@ -154,6 +154,39 @@ def test_retention_keeps_latest_k_and_every_multiple(tmp_path):
     assert complete_steps(tmp_path / "shared") == [4, 8, 9, 10]
 
 
+def test_a_retention_killed_mid_delete_leaves_nothing_behind(tmp_path, monkeypatch, caplog):
+    # issue 54 item 6: a SIGKILL while retention deleted step-4 left a half-deleted step-4 (no .metadata, so
+    # not "complete") that no later retention removed: after two more saves with keep 1 it sat beside step-8.
+    import shutil
+
+    from trainlib.checkpoint.manager import committed_steps
+
+    model, opt, sched, ck = _job(tmp_path, interval=1, keep_latest_k=1)
+    ck.maybe_save(1, last_step=9)
+    rmtree = shutil.rmtree
+
+    def killed_midway(path, *a, **kw):  # deletes one file (the first listed), then the process dies
+        files = sorted(p for p in Path(path).iterdir())
+        files[0].unlink()
+        raise SystemExit("SIGKILL")
+
+    from pathlib import Path
+
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    with pytest.raises(SystemExit):
+        ck.maybe_save(2, last_step=9)  # committed, then killed while deleting step-1
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    # and a half-deleted folder as an older trainlib left it: step-N itself, its .metadata gone
+    (ck.root / "step-0").mkdir()
+    (ck.root / "step-0" / "__0_0.distcp").write_bytes(b"x" * 10)
+    model2, opt2, sched2, ck2 = _job(tmp_path, interval=1, keep_latest_k=1)
+    assert ck2.load() == 2
+    for step in (3, 4):
+        ck2.maybe_save(step, last_step=9)
+    assert [p.name for p in ck.root.iterdir()] == ["step-4"]  # nothing else, aside or not
+    assert "step-1" in caplog.text  # the leftover named when removed
+
+
 def test_keep_every_must_be_a_multiple_of_the_interval():
     with pytest.raises(ValueError, match=r"keep_every=5 must be 0 or a multiple of checkpoint.interval=2.*e\.g\. 4"):
         CheckpointConfig(interval=2, keep_every=5, keep_latest_k=1)

@@ -68,6 +68,7 @@ logger = logging.getLogger("trainlib")
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
+_DELETING_DIR = re.compile(r"^step-(\d+)\.deleting$")
 MANIFEST = "manifest.json"
 
 
@@ -111,6 +112,15 @@ def incomplete_folders(root: str | os.PathLike) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if _TMP_DIR.match(p.name))
+
+
+def deleting_folders(root: str | os.PathLike) -> list[Path]:
+    """Folders retention was deleting when its process died (`step-N.deleting`): removed at the next load
+    or retention, never loaded."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if _DELETING_DIR.match(p.name))
 
 
 def latest_step(root: str | os.PathLike) -> int | None:
@@ -264,12 +274,17 @@ class Checkpointer:
             barrier()
             return self._initial_load()
         barrier()  # every rank sees the folder before rank 0 cleans it
-        stale = incomplete_folders(self.root)
+        stale, deleting = incomplete_folders(self.root), deleting_folders(self.root)
         barrier()
         if stale and self.rank == 0:
             logger.warning(f"removing incomplete checkpoint folders (a save was interrupted): "
                            f"{', '.join(p.name for p in stale)}")
             for p in stale:
+                shutil.rmtree(p, ignore_errors=True)
+        if deleting and self.rank == 0:
+            logger.warning(f"removing what an interrupted retention left (checkpoint.keep_latest_k had deleted "
+                           f"them): {', '.join(p.name for p in deleting)}")
+            for p in deleting:
                 shutil.rmtree(p, ignore_errors=True)
         steps = committed_steps(self.root)
         if cfg.load_step >= 0:
@@ -529,13 +544,23 @@ class Checkpointer:
     def _apply_retention(self, committed: int) -> None:
         """Keep the newest keep_latest_k complete checkpoints, those whose step
         is a multiple of keep_every, and the one just committed (older than
-        others after load_step went back in time), so never the only one."""
+        others after load_step went back in time), so never the only one.
+        Older `step-N` folders go too, complete or not: one a killed
+        retention left half-deleted (an older trainlib deleted in place) lacks
+        its `.metadata` and would stay for good. A folder is renamed to
+        `step-N.deleting` before its files are deleted, so a kill midway
+        leaves a name the next load or retention removes, never a `step-N`."""
         k, every = self.cfg.keep_latest_k, self.cfg.keep_every
         if not k:
             return
-        for old in complete_steps(self.root)[:-k]:
-            if old != committed and not (every and old % every == 0):
-                shutil.rmtree(step_folder(self.root, old), ignore_errors=True)
+        for p in deleting_folders(self.root):
+            shutil.rmtree(p, ignore_errors=True)
+        newest = complete_steps(self.root)[-k:]
+        for old in committed_steps(self.root):
+            if old < min(newest, default=committed) and old != committed and not (every and old % every == 0):
+                doomed = self.root / f"step-{old}.deleting"
+                os.replace(step_folder(self.root, old), doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
 
     def export_hf(self, out_dir: str | os.PathLike) -> None:
         """Write the latest complete checkpoint as HF safetensors. Rank 0 reads
