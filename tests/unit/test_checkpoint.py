@@ -478,6 +478,23 @@ def test_restore_latest_reloads_the_newest_checkpoint_except_the_excluded_parts(
     assert sched.last_epoch == 3  # excluded: not rolled back
 
 
+def test_a_rollback_onto_a_damaged_checkpoint_skips_it_like_a_resume_and_says_so(tmp_path, caplog):
+    # issue 54 item 6: the rollback loaded the newest folder unchecked and ended in a zip reader's traceback.
+    model, opt, sched, ck = _job(tmp_path, interval=1)
+    for step in (1, 2, 3):
+        _train_step(model, opt, sched)
+        ck.maybe_save(step, last_step=4)
+        if step == 2:
+            saved = model.output.weight.clone()
+    shard = next(step_folder(ck.root, 3).glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-100])  # cut, as a full disk or an interrupted copy leaves it
+    assert ck.restore_latest(exclude=["dataloader"]) == 2
+    assert torch.equal(model.output.weight, saved)
+    assert re.search(r"skipping damaged checkpoint \S+step-3 \(__0_0.distcp has \d+ bytes, \d+ when committed\); "
+                     r"moved to step-3.corrupt", caplog.text)
+    assert complete_steps(ck.root) == [1, 2] and (ck.root / "step-3.corrupt").is_dir()
+
+
 def test_checkpoint_bench_tables_each_modes_first_and_median_later_save(monkeypatch, capsys):
     from trainlib.checkpoint import bench
 

@@ -350,11 +350,12 @@ class Checkpointer:
         dcp.load(_asking_only_what_was_saved(Path(path), states), checkpoint_id=str(path))
 
     def restore_latest(self, exclude: Iterable[str] = ()) -> int | None:
-        """Load the parts not in `exclude` from the latest complete checkpoint
-        (after committing a save in flight). Returns its step, None if there is none."""
+        """Load the parts not in `exclude` from the latest intact checkpoint
+        (after committing a save in flight); a damaged one is moved aside with
+        one line, as at resume. Returns its step, None if there is none."""
         self.wait()
         barrier()
-        step = latest_step(self.root)
+        step = self._latest_intact(committed_steps(self.root))
         if step is not None:
             self.load_from(step_folder(self.root, step), [k for k in self.states if k not in exclude])
         return step
