@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 from trainlib.checkpoint.convert import dcp_to_hf, hf_to_dcp, saved_model_args
-from trainlib.checkpoint.hf import HF_SHARD_BYTES, spec_of_args
+from trainlib.checkpoint.hf import HF_SHARD_BYTES, check_model_args, spec_of_args
 from trainlib.errors import ConfigError
 from trainlib.models.registry import MODELS, get_model_spec
 
@@ -72,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
                                   f"({', '.join(sorted(MODELS))}) with --flavor")
             name = ns.model or spec_of_args(saved).name
             args = get_model_spec(name).get_args(ns.flavor)
+            if saved is not None:  # another family or shape than the checkpoint's would be written over its weights
+                check_model_args(saved, args, str(ckpt), builds="this export asks for",
+                                 fix="drop --model and --flavor: the checkpoint records its own model")
         elif saved is None:
             args = _args_from_run_config(ckpt)
             if args is None:

@@ -207,6 +207,8 @@ def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, tokenizer, lo
         "scheduler": scheduler, "dataloader": loader, "guard": guard,
         "trainer": TrainState(tokens_per_step=t.global_batch_size * t.seq_len, model_args=built.model_args,
                               model_name=cfg.model.name, schedule=schedule_settings(cfg),
+                              model_overrides=tuple(k for k in ("n_layers", "vocab_size")
+                                                    if getattr(cfg.model, k) is not None),
                               moe={f"moe.{k}": v for k, v in vars(cfg.moe).items()} if built.runner.moe_experts
                               else None)})
     start_step = checkpointer.load()

@@ -140,8 +140,9 @@ def test_meta_consolidated_pth_loads_into_a_model(tmp_path):
         load_meta_into_model([dst], tmp_path, get_model_args("debug", n_layers=2))
     # The head counts, which the weights alone cannot tell, come from params.json where there is one.
     (tmp_path / "params.json").write_text(json.dumps({"dim": 64, "n_heads": 8, "n_kv_heads": 1}))
-    with pytest.raises(ValueError, match="holds a model of n_heads=8 n_kv_heads=1, but this run builds n_heads=4 "
-                                         "n_kv_heads=2: set model.flavor"):
+    with pytest.raises(ValueError, match=r"holds a model of n_heads=8 n_kv_heads=1, but this run builds n_heads=4 "
+                                         r"n_kv_heads=2 \(llama3 flavor 'debug'\): no shipped llama3 flavor has "
+                                         r"the checkpoint's values"):
         load_meta_into_model([dst], tmp_path, args)
     (tmp_path / "params.json").unlink()
     dst.init_weights(seed=8)
@@ -167,7 +168,7 @@ def test_weights_of_another_shape_or_format_are_refused_with_the_fix(tmp_path):
     load_hf_into_model([other], tmp_path / "hf", args)
     assert all(torch.equal(a, b) for a, b in zip(other.state_dict().values(), model.state_dict().values(), strict=True))
     with pytest.raises(ConfigError, match=r"HF checkpoint .* holds a model of n_layers=4, but this run builds "
-                                          r"n_layers=2: set model.flavor / model.n_layers"):
+                                          r"n_layers=2 \(llama3 flavor 'debug'\): set model.n_layers = 4$"):
         load_hf_into_model([other], tmp_path / "hf", get_model_args("debug", n_layers=2))
 
     assert hf_to_dcp(tmp_path / "hf", tmp_path / "dcp") == saved_model_args(tmp_path / "dcp")

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Iterator, Mapping
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -282,18 +282,77 @@ def _shards(names: list[str], nbytes, limit: int) -> list[list[str]]:
     return files
 
 
-def check_shapes(args: Any, expected: Any, source: str) -> None:
-    """One line when the weights `args` describe are not the ones this run's
-    model (`expected`) holds: another family, or parameters of other shapes."""
-    have, want = spec_of_args(args), spec_of_args(expected)
+# The [model] keys a recipe may set on top of a flavor (trainlib.config.job.ModelConfig): the args fields a
+# user overrides explicitly.
+OVERRIDABLE = ("n_layers", "vocab_size")
+
+
+def arg_fields(args: Any) -> dict[str, Any]:
+    """A family's args as {field: value}, a dataclass field (an MoE family's `moe`) flattened as `moe.key`."""
+    out = {}
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if is_dataclass(value):
+            out.update({f"{f.name}.{k}": v for k, v in arg_fields(value).items()})
+        else:
+            out[f.name] = value
+    return out
+
+
+def flavor_of(args: Any) -> tuple[str | None, dict[str, Any]]:
+    """(the shipped flavor of `args`' family whose fields are `args`' but for the OVERRIDABLE ones, and those
+    that differ from it as {field: args' value}); (None, {}) when no flavor has the other fields."""
+    from trainlib.models.flavors import FAMILIES
+
+    family = FAMILIES.get(spec_of_args(args).name)
+    mine = arg_fields(args)
+    for name, flavor in (family.FLAVORS.items() if family is not None else ()):
+        theirs = arg_fields(flavor)
+        if all(v == theirs.get(k) for k, v in mine.items() if k not in OVERRIDABLE):
+            return name, {k: mine[k] for k in OVERRIDABLE if k in mine and mine[k] != theirs.get(k)}
+    return None, {}
+
+
+def check_model_args(saved: Any, expected: Any, source: str, overrides: tuple[str, ...] = (),
+                     builds: str = "this run builds", fix: str | None = None) -> dict[str, tuple[Any, Any]]:
+    """One line when the model a checkpoint records (`saved`) is not the one this run builds (`expected`):
+    another family, or any field of another value, shape or not (top_k, rope_theta, ... change what the
+    weights compute without changing their shapes). The line names the fields, both values and the fix: the
+    shipped flavor with the checkpoint's values (and the n_layers / vocab_size to set), or that none has
+    them. Fields the user set explicitly (`overrides`, of OVERRIDABLE) may differ: returned as {field:
+    (checkpoint's, run's)} for the caller's start-up line. `builds` and `fix` word the line for a caller
+    that is not a run (an export)."""
+    have, want = spec_of_args(saved), spec_of_args(expected)
     if have is not want:
-        raise ConfigError(f"{source} holds a {have.name} model, but this run builds {want.name}: set "
-                          f"model.name = '{have.name}' (and its flavor), or load a {want.name} checkpoint")
-    if args != expected and _param_shapes(want, args) != _param_shapes(want, expected):
-        differ = [f.name for f in fields(args) if getattr(args, f.name) != getattr(expected, f.name)]
-        show = lambda a: " ".join(f"{k}={getattr(a, k)}" for k in differ)  # noqa: E731
-        raise ConfigError(f"{source} holds a model of {show(args)}, but this run builds {show(expected)}: set "
-                          f"model.flavor / model.n_layers / model.vocab_size to match")
+        raise ConfigError(f"{source} holds a {have.name} model, but {builds} {want.name}: " + (fix or (
+            f"set model.name = '{have.name}' (and its flavor), or load a {want.name} checkpoint")))
+    a, b = arg_fields(saved), arg_fields(expected)
+    differ = [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
+    # by design: a tied checkpoint starts an untied model (its output starts as the embedding)
+    allowed = set(overrides) | ({"tie_embeddings"} if a.get("tie_embeddings") is True else set())
+    if set(differ) <= allowed:
+        theirs, ours = _param_shapes(want, saved), _param_shapes(want, expected)
+        bad = next((n for n, shape in ours.items() if theirs.get(n, shape) != shape), None)
+        if bad is not None:  # the run's weights must be the checkpoint's, or some of them
+            raise ConfigError(f"{source} holds {bad} of shape {list(theirs[bad])}, but this run's model.{differ[0]} "
+                              f"= {b[differ[0]]} makes it {list(ours[bad])}: set model.{differ[0]} = {a[differ[0]]}")
+        return {k: (a.get(k), b.get(k)) for k in differ}
+    run_flavor, _ = flavor_of(expected)
+    show = lambda d: " ".join(f"{k}={d.get(k)}" for k in differ)  # noqa: E731
+    if fix is None:
+        name, _ = flavor_of(saved)
+        keys = [f"model.flavor = '{name}'"] if name != run_flavor else []
+        keys += [f"model.{k} = {a[k]}" for k in OVERRIDABLE if k in a and a[k] != b.get(k)]
+        fix = ("set " + " and ".join(keys) if name is not None else
+               f"no shipped {want.name} flavor has the checkpoint's values: load a checkpoint of this run's model, "
+               f"or train a flavor with those values (added to the {want.name} family's FLAVORS)")
+    raise ConfigError(f"{source} holds a model of {show(a)}, but {builds} {show(b)} ({want.name}"
+                      + (f" flavor '{run_flavor}'" if run_flavor else "") + f"): {fix}")
+
+
+def check_shapes(args: Any, expected: Any, source: str) -> None:
+    """`check_model_args` without overrides (every field, not only the shapes, whatever the name says)."""
+    check_model_args(args, expected, source)
 
 
 def _param_shapes(spec: ModelSpec, args: Any) -> dict[str, tuple[int, ...]]:
@@ -321,11 +380,14 @@ def load_full_state_into_model(model_parts: list[nn.Module], sd: Mapping[str, to
             copy_full_(p, sd[name])
 
 
-def load_hf_into_model(model_parts: list[nn.Module], path: str | os.PathLike, expected: Any = None) -> None:
+def load_hf_into_model(model_parts: list[nn.Module], path: str | os.PathLike, expected: Any = None,
+                       overrides: tuple[str, ...] = ()) -> dict[str, tuple[Any, Any]]:
+    """Load an HF folder's weights into the model of shape `expected` (its fields checked against the folder's
+    config.json: `check_model_args`); returns the overridden fields that differ."""
     args, sd = read_hf_folder(path)
-    if expected is not None:
-        check_shapes(args, expected, f"HF checkpoint {path}")
+    changed = check_model_args(args, expected, f"HF checkpoint {path}", overrides) if expected is not None else {}
     load_full_state_into_model(model_parts, sd, f"HF checkpoint {path}")
+    return changed
 
 
 # --------------------------------------------------------------------------- Meta format
@@ -349,5 +411,5 @@ def load_meta_into_model(model_parts: list[nn.Module], path: str | os.PathLike, 
         raise ConfigError(f"{path} holds {len(files)} consolidated.*.pth files (model-parallel shards); only "
                           "single-file Meta checkpoints load directly: convert larger ones to HF format first")
     args, sd = read(files[0], expected)
-    check_shapes(args, expected, f"Meta checkpoint {path}")
+    check_model_args(args, expected, f"Meta checkpoint {path}")
     load_full_state_into_model(model_parts, sd, f"Meta checkpoint {path}")

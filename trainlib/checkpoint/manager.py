@@ -56,8 +56,8 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainlib import compat
-from trainlib.checkpoint.convert import dcp_to_hf
-from trainlib.checkpoint.hf import checkpoint_format, load_hf_into_model, load_meta_into_model
+from trainlib.checkpoint.convert import dcp_to_hf, saved_model_args
+from trainlib.checkpoint.hf import check_model_args, checkpoint_format, load_hf_into_model, load_meta_into_model
 from trainlib.checkpoint.state import ModelState, TrainState, nonfinite_entries
 from trainlib.distributed import barrier, from_rank0
 from trainlib.errors import ConfigError, TrainingStopped
@@ -343,11 +343,28 @@ class Checkpointer:
                 dist.all_gather_object(every, sorted(names))
                 names = set().union(*every)
             check_model_matches(Path(path), model_sd, names)
+            self._check_model_args(Path(path))
         if "optimizer" in states:
             check_optimizer_matches(Path(path), states["optimizer"].state_dict())
         # Parts raise a ValueError naming the rule (e.g. a DP degree that
         # cannot continue the data stream exactly) before any step runs.
         dcp.load(_asking_only_what_was_saved(Path(path), states), checkpoint_id=str(path))
+
+    def _check_model_args(self, path: Path) -> None:
+        """Every field of the model the checkpoint at `path` records against this run's (`check_model_args`):
+        one line refusing a difference, or naming one the recipe asked for. Checkpoints that record no model
+        (older ones) have had their tensors checked alone."""
+        expected = self.train_state.model_args
+        saved = saved_model_args(path) if expected is not None else None
+        if saved is not None:
+            self._say_overridden(check_model_args(saved, expected, f"checkpoint {path}",
+                                                  self.train_state.model_overrides), path)
+
+    def _say_overridden(self, changed: dict, path: str | os.PathLike) -> None:
+        if changed and self.rank == 0:
+            logger.warning(f"the model differs from the one {path} records in what the recipe sets ("
+                           + ", ".join(f"model.{k} {a} -> {b}" for k, (a, b) in changed.items())
+                           + "): the run's values apply")
 
     def restore_latest(self, exclude: Iterable[str] = ()) -> int | None:
         """Load the parts not in `exclude` from the latest intact checkpoint
@@ -366,7 +383,8 @@ class Checkpointer:
             return 0
         fmt = checkpoint_format(path)
         if fmt == "hf":
-            load_hf_into_model(self.model.model_parts, path, self.train_state.model_args)
+            self._say_overridden(load_hf_into_model(self.model.model_parts, path, self.train_state.model_args,
+                                                    self.train_state.model_overrides), path)
         elif fmt == "meta":
             load_meta_into_model(self.model.model_parts, path, self.train_state.model_args)
         else:

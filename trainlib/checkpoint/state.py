@@ -129,8 +129,8 @@ class TrainState:
 
     `model_name` (the family, `model.name`) and `model_args` (its shape
     dataclass) are saved too, so that `python -m trainlib.convert dcp-to-hf`
-    can rebuild the model from the checkpoint alone; loading ignores them (the
-    run's own shape is checked against the saved tensors instead).
+    can rebuild the model from the checkpoint alone; a load compares every
+    field with the run's (`Checkpointer.load_from`) and takes the run's.
     `tokens_per_step` is this run's global batch x sequence length and is not
     saved: a resumed run may change it."""
 
@@ -145,6 +145,9 @@ class TrainState:
     # An MoE model's `[moe]` settings (load balance, capacity, loss weights), by recipe key: a resume that
     # changes them says so in one line too. None for a dense model.
     moe: dict | None = None
+    # The model_args fields the run's recipe sets explicitly (model.n_layers, model.vocab_size): a checkpoint
+    # whose model differs in those alone loads, and the start-up line names the change. Not saved.
+    model_overrides: tuple[str, ...] = ()
     # Keys older checkpoints lack (trainlib.checkpoint.manager asks a load only for those it has).
     optional_keys = ("model_name", "schedule", "moe")
 
