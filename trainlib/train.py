@@ -157,12 +157,15 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     run_dir = Path(cfg.job.dump_folder)
     lock, refused, made = None, None, []
     if info.rank == 0:
-        folders = [run_dir, *([checkpoint_root(cfg.checkpoint, run_dir)] if cfg.checkpoint.enable else [])]
-        made = [p for f in folders for p in (f, *f.parents) if not p.exists()]  # a refused launch removes them
+        folders = {"job.dump_folder": run_dir}
+        if cfg.checkpoint.enable:
+            folders["checkpoint.folder"] = checkpoint_root(cfg.checkpoint, run_dir)
+            if cfg.checkpoint.export_hf:  # where the run ends: found unusable now, not after training
+                folders["checkpoint.export_hf"] = run_dir / "hf"
+        made = [p for f in folders.values() for p in (f, *f.parents) if not p.exists()]  # a refusal removes them
         try:  # the folders are usable, and no live run holds them: before anything of this run is written
-            writable_folder(run_dir, "job.dump_folder")
-            if cfg.checkpoint.enable:
-                writable_folder(folders[1], "checkpoint.folder")
+            for key, folder in folders.items():
+                writable_folder(folder, key)
             lock = RunLock(run_dir)
         except ConfigError as e:
             refused = str(e)

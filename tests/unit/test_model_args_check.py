@@ -76,7 +76,8 @@ def test_a_dense_checkpoint_exported_as_moe_or_as_another_flavor_is_refused_and_
                                                                               "asks for qwen3_moe"),
                         (["--model", "llama3", "--flavor", "debug"], "a qwen3 model, but this export asks for "
                                                                       "llama3"),
-                        (["--flavor", "debug", "--model", "qwen3_moe"], "a qwen3 model")):
+                        (["--flavor", "debug", "--model", "qwen3_moe"], "a qwen3 model"),
+                        (["--model", "llama3"], "a qwen3 model, but this export asks for llama3: drop --model")):
         out = tmp_path / "out"
         assert main(["dcp-to-hf", str(step), str(out), *flags]) == 2
         err = capsys.readouterr().err

@@ -173,3 +173,12 @@ def test_a_refused_launch_writes_nothing(tmp_path, capfd):
     with pytest.raises(ConfigError, match="needs about"):  # refused by the memory check, after the folder's
         train(_cfg(fresh, "--training.seq_len=1000000"))
     assert not (tmp_path / "new").exists()  # no folder, no lock, no config.toml
+
+
+def test_an_hf_export_that_cannot_be_written_is_refused_at_start_up(tmp_path):
+    # issue 54 item 3: checkpoint.export_hf's folder (and whether HF's format holds the model) were found
+    # out after training
+    (tmp_path / "hf").write_text("a file where the export goes")
+    with pytest.raises(ConfigError, match=r"checkpoint.export_hf = '\S+hf': \S+hf is a file, not a folder"):
+        train(_cfg(tmp_path, "--checkpoint.enable=true", "--checkpoint.export_hf=true"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing trained, nothing written

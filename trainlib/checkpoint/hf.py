@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import struct
 from collections.abc import Iterator, Mapping
 from dataclasses import fields, is_dataclass
 from pathlib import Path
@@ -180,28 +182,134 @@ class HFWeights(LazyWeights):
 def read_hf_folder(path: str | os.PathLike) -> tuple[Any, HFWeights]:
     """(model shape, trainlib-named full tensors, read on access) from an HF
     folder, sharded (`model.safetensors.index.json`) or not; the family is
-    the one that reads its config.json (`HFWeights.spec`)."""
+    the one that reads its config.json (`HFWeights.spec`). The folder is
+    checked whole first, each fault one line naming the file and the field
+    (`check_hf_weights`): a value of config.json that is a string where a
+    number belongs, a safetensors file cut short or damaged, an index naming
+    a tensor its file lacks, a tensor config.json's model has and no file
+    holds, one it does not have, one of another shape."""
     path = Path(path)
     if not is_hf_folder(path):
         raise ConfigError(f"{path} is not a Hugging Face checkpoint folder: expected config.json and *.safetensors")
-    config = json.loads((path / "config.json").read_text())
+    config = _read_json(path / "config.json")
+    _refuse_numbers_as_strings(config, path / "config.json")
     spec = spec_of_hf_config(config, path / "config.json")
     args = spec.state_dict_adapter.args_from_hf_config(config)
     index = path / _INDEX
     if not index.is_file():  # one file, or files without an index: their headers name their tensors
-        from safetensors import safe_open
+        files = sorted(path.glob("*.safetensors"))
+        held = {f: safetensors_header(f) for f in files}
+        file_of = {name: f for f, header in held.items() for name in header}
+        where = files[0] if len(files) == 1 else path
+    else:
+        index_json = _read_json(index)
+        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"{index} has no weight_map: a damaged index; fetch it again")
+        absent = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+        if absent:
+            raise ConfigError(f"{index} lists {len(absent)} file(s) the folder lacks ({', '.join(absent[:3])}"
+                              f"{', ...' if len(absent) > 3 else ''}): an incomplete download or copy; fetch them")
+        # the index's files: others may be stale
+        held = {path / f: safetensors_header(path / f) for f in sorted(set(weight_map.values()))}
+        for name, f in weight_map.items():
+            if name not in held[path / f]:
+                raise ConfigError(f"{index} names {name} in {f}, which does not hold it: an index of other files "
+                                  f"(an incomplete download or copy); fetch the folder again")
+        file_of, where = {name: path / f for name, f in weight_map.items()}, index
+    shapes = {name: held[f][name] for name, f in file_of.items()}
+    check_hf_weights(spec, args, shapes, file_of, where)
+    return args, HFWeights(file_of, args, spec)
 
-        file_of = {}
-        for f in sorted(path.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as handle:
-                file_of.update(dict.fromkeys(handle.keys(), f))
-        return args, HFWeights(file_of, args, spec)
-    weight_map = json.loads(index.read_text())["weight_map"]  # the index's files: others may be stale
-    absent = sorted({f for f in weight_map.values() if not (path / f).is_file()})
-    if absent:
-        raise ConfigError(f"{index} lists {len(absent)} file(s) the folder lacks ({', '.join(absent[:3])}"
-                          f"{', ...' if len(absent) > 3 else ''}): an incomplete download or copy; fetch them")
-    return args, HFWeights({name: path / f for name, f in weight_map.items()}, args, spec)
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}): a damaged download; fetch it again") from None
+
+
+_NUMBER = re.compile(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*")
+
+
+def _refuse_numbers_as_strings(config: Any, path: Path, prefix: str = "") -> None:
+    """One line for a value of config.json (or of a section in it) that is a number written as a string
+    ("64"): families read the numbers as they are, and a string would fail deep inside torch."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} is not a JSON object: a damaged download; fetch it again")
+    for key, value in config.items():
+        if isinstance(value, dict):
+            _refuse_numbers_as_strings(value, path, f"{prefix}{key}.")
+        elif isinstance(value, str) and _NUMBER.fullmatch(value):
+            raise ConfigError(f"{path}: {prefix}{key} is the string {value!r} where a number belongs; write it "
+                              f"without quotes ({value.strip()})")
+
+
+def safetensors_header(file: Path) -> dict[str, list[int]]:
+    """{tensor name: shape} from a safetensors file's header, read without torch; a file that is not one, or
+    is shorter than its header says (cut by an interrupted download or copy), is one line."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        raw = f.read(n) if n is not None and n <= size - 8 else b""
+    try:
+        header = json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        header = None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{file} is not a safetensors file ({size} bytes, no readable header): a damaged or "
+                          f"incomplete download; fetch it again")
+    header.pop("__metadata__", None)
+    entries = header.values()
+    if not all(isinstance(v, dict) and isinstance(v.get("shape"), list) and isinstance(v.get("data_offsets"), list)
+               and len(v["data_offsets"]) == 2 for v in entries):
+        raise ConfigError(f"{file} is not a safetensors file (its header lists no tensors' shapes and offsets): "
+                          f"a damaged download; fetch it again")
+    end = 8 + n + max((v["data_offsets"][1] for v in entries), default=0)
+    if size < end:
+        raise ConfigError(f"{file} is cut short: {size} bytes, its header describes {end}: an interrupted "
+                          f"download or copy; fetch it again")
+    return {name: v["shape"] for name, v in header.items()}
+
+
+def _natural(name: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def check_hf_weights(spec: ModelSpec, args: Any, shapes: dict[str, list[int]], file_of: dict[str, Path],
+                     where: Path) -> None:
+    """One line when the tensors of an HF folder (`shapes`: HF name -> shape, `file_of`: HF name -> file) are
+    not those its config.json describes (`args`): a tensor the model has that no file holds, a tensor no
+    part of the model explains (experts, layers beyond the config's), or one of another shape (heads). An
+    old export's rotary inv_freq buffers are not weights and are let through. `where` names the files
+    (the one file, or the index)."""
+    adapter = spec.state_dict_adapter
+    with torch.device("meta"):
+        model = spec.model_cls(args, rope_len=1)
+    ours = {name: list(t.shape) for name, t in model.state_dict().items()}
+    expected: dict[str, list[int]] = {}  # HF name -> shape, of everything the model's HF folder holds
+    for name, theirs in adapter.trainlib_weight_names(ours, args).items():
+        for hf in ([theirs] if isinstance(theirs, str) else theirs):
+            expected[hf] = ours[name] if isinstance(theirs, str) else ours[name][1:]
+    missing = sorted((n for n in expected if n not in shapes), key=_natural)
+    if missing:
+        raise ConfigError(f"{where} lacks {len(missing)} tensor(s) config.json's model has ({', '.join(missing[:3])}"
+                          f"{', ...' if len(missing) > 3 else ''}): an incomplete download or copy, or a config.json "
+                          f"that does not describe these weights")
+    also = {hf for name, hf in adapter.hf_weight_names(shapes, args).items()  # e.g. a tied model's lm_head
+            if isinstance(hf, str) and name in ours and list(shapes[hf]) == ours[name]}
+    extra = sorted((n for n in shapes if n not in expected and n not in also and not n.endswith("inv_freq")),
+                   key=_natural)
+    if extra:
+        raise ConfigError(f"{where} holds {len(extra)} tensor(s) config.json's model does not have "
+                          f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}): a config.json that does not "
+                          f"describe these weights (its expert, layer or head counts?)")
+    for name, shape in expected.items():
+        if list(shapes[name]) != shape:
+            raise ConfigError(f"{file_of[name]} holds {name} of shape {list(shapes[name])}, config.json's model has "
+                              f"{shape}: a config.json that does not describe these weights (its head counts or "
+                              f"widths?)")
 
 
 def write_hf_folder(sd: Mapping[str, torch.Tensor], args: Any, out_dir: str | os.PathLike, *,

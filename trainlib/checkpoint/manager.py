@@ -57,7 +57,8 @@ from torch.distributed.checkpoint.stateful import Stateful
 
 from trainlib import compat
 from trainlib.checkpoint.convert import dcp_to_hf, saved_model_args
-from trainlib.checkpoint.hf import check_model_args, checkpoint_format, load_hf_into_model, load_meta_into_model
+from trainlib.checkpoint.hf import (check_model_args, checkpoint_format, load_hf_into_model, load_meta_into_model,
+                                    spec_of_args)
 from trainlib.checkpoint.state import ModelState, TrainState, nonfinite_entries
 from trainlib.distributed import barrier, from_rank0
 from trainlib.errors import ConfigError, TrainingStopped
@@ -253,6 +254,10 @@ class Checkpointer:
         self._last_step: int | None = None  # the run's final step, whose save must not fail quietly
         self._async_pg = None
         self._stager = None
+        if cfg.enable and cfg.export_hf and self.train_state.model_args is not None:
+            # a model the HF format cannot express is refused now, not after training (ConfigError)
+            spec_of_args(self.train_state.model_args).state_dict_adapter.hf_config_from_args(
+                self.train_state.model_args)
         if cfg.enable and cfg.async_mode != "disabled" and dist.is_initialized():
             # Background saves run collectives while the loop runs its own; a
             # separate gloo group keeps the two from interleaving on one channel.
