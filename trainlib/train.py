@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainlib.config import ConfigError, JobConfig, config_to_dict, load_job_config, save_config
-from trainlib.config.cli import RecipeArgumentParser
+from trainlib.config.cli import RecipeArgumentParser, print_to_reader
 from trainlib.config.loader import describe
 from trainlib.errors import (EXIT_INTERNAL, EXIT_PREEMPTED, EXIT_STOPPED, EXIT_USER, Preempted, TrainingStopped,
                              print_once_per_node, report_crash, report_user_error, verdict_line, writable_folder)
@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             from trainlib.config.recipes import available_recipes
 
             width = max(map(len, available_recipes()))
-            print("\n".join(f"{name:<{width}}  {about}" for name, about in available_recipes().items()))
+            print_to_reader("\n".join(f"{name:<{width}}  {about}" for name, about in available_recipes().items()))
             return 0
         cfg = load_job_config(ns.recipe, overrides)
         run_dir = cfg.job.dump_folder
