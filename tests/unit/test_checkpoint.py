@@ -158,8 +158,7 @@ def test_a_retention_killed_mid_delete_leaves_nothing_behind(tmp_path, monkeypat
     # issue 54 item 6: a SIGKILL while retention deleted step-4 left a half-deleted step-4 (no .metadata, so
     # not "complete") that no later retention removed: after two more saves with keep 1 it sat beside step-8.
     import shutil
-
-    from trainlib.checkpoint.manager import committed_steps
+    from pathlib import Path
 
     model, opt, sched, ck = _job(tmp_path, interval=1, keep_latest_k=1)
     ck.maybe_save(1, last_step=9)
@@ -169,8 +168,6 @@ def test_a_retention_killed_mid_delete_leaves_nothing_behind(tmp_path, monkeypat
         files = sorted(p for p in Path(path).iterdir())
         files[0].unlink()
         raise SystemExit("SIGKILL")
-
-    from pathlib import Path
 
     monkeypatch.setattr(shutil, "rmtree", killed_midway)
     with pytest.raises(SystemExit):
@@ -404,8 +401,8 @@ def test_a_full_disk_is_recognised_by_its_free_space_whatever_error_reports_it(t
     monkeypatch.setattr(shutil, "disk_usage", usage)
     ck.maybe_save(2, last_step=3)  # half a checkpoint free: a full disk; training goes on
     assert re.search(r"checkpoint step 2 not saved: no space left on device \(\d+(\.\d+)? \w+ free in \S+, a "
-                     r"checkpoint takes about \d+(\.\d+)? \w+; (RuntimeError|OSError) on ranks? .*\); step 1 stays the latest "
-                     r"complete checkpoint in \S+; training continues and the next save retries", caplog.text)
+                     r"checkpoint takes about \d+(\.\d+)? \w+; (RuntimeError|OSError) on ranks? .*\); step 1 stays "
+                     r"the latest complete checkpoint in \S+; training continues and the next save retries", caplog.text)
     assert complete_steps(ck.root) == [1] and incomplete_folders(ck.root) == []
     free[0] = 1000 * size  # room enough: the failure is not a full disk and propagates as it is
     with pytest.raises((RuntimeError, OSError, CheckpointException), match="unexpected pos|Input/output"):

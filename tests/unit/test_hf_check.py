@@ -3,7 +3,6 @@ file and the field, exit 2, and no output folder left behind (`python -m trainli
 `checkpoint.initial_load_path` shares the reader with)."""
 
 import json
-import struct
 
 import pytest
 import torch
@@ -92,3 +91,18 @@ def test_an_output_folder_that_cannot_be_written_is_refused_before_reading(hf, t
     (tmp_path / "file").write_text("")
     assert main(["hf-to-dcp", str(hf), str(tmp_path / "file" / "out")]) == 2
     assert "is a file, not a folder" in capsys.readouterr().err
+
+
+def test_a_tied_folder_that_also_keeps_lm_head_and_old_rotary_buffers_pass(tmp_path):
+    # what the config explains by other names is no stray tensor: lm_head beside a tied embedding, inv_freq
+    from trainlib.checkpoint.hf import read_hf_folder
+
+    args = get_model_args("debug_moe", tie_embeddings=True)
+    model = Transformer(args, rope_len=8)
+    model.init_weights(seed=0)
+    hf = write_hf_folder(model.state_dict(), args, tmp_path / "hf")
+    tensors = load_file(hf / "model.safetensors")
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(16)
+    save_file(tensors, hf / "model.safetensors")
+    assert read_hf_folder(hf)[0] == args

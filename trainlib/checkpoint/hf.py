@@ -297,9 +297,11 @@ def check_hf_weights(spec: ModelSpec, args: Any, shapes: dict[str, list[int]], f
         raise ConfigError(f"{where} lacks {len(missing)} tensor(s) config.json's model has ({', '.join(missing[:3])}"
                           f"{', ...' if len(missing) > 3 else ''}): an incomplete download or copy, or a config.json "
                           f"that does not describe these weights")
-    also = {hf for name, hf in adapter.hf_weight_names(shapes, args).items()  # e.g. a tied model's lm_head
-            if isinstance(hf, str) and name in ours and list(shapes[hf]) == ours[name]}
-    extra = sorted((n for n in shapes if n not in expected and n not in also and not n.endswith("inv_freq")),
+    def explained(hf: str) -> bool:  # e.g. a tied model's lm_head, which some exports keep: a weight of the model
+        return any(isinstance(theirs, str) and name in ours and list(shapes[hf]) == ours[name]
+                   for name, theirs in adapter.hf_weight_names([hf], args).items())
+
+    extra = sorted((n for n in shapes if n not in expected and not n.endswith("inv_freq") and not explained(n)),
                    key=_natural)
     if extra:
         raise ConfigError(f"{where} holds {len(extra)} tensor(s) config.json's model does not have "

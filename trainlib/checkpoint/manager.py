@@ -515,10 +515,13 @@ class Checkpointer:
         MiB`), else None: its free space is below the size of a checkpoint (the latest complete one's files,
         else the failed save's part written so far, with this rank's state's bytes times the world size at
         least)."""
-        free = shutil.disk_usage(self.root).free
+        free = shutil.disk_usage(next(p for p in (self.root, *self.root.parents) if p.exists())).free
         latest = latest_step(self.root)
         folder = step_folder(self.root, latest) if latest is not None else self.root / f"step-{step}.tmp"
-        need = sum(f.stat().st_size for f in folder.iterdir() if f.is_file()) if folder.is_dir() else 0
+        try:
+            need = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        except FileNotFoundError:  # gone (rank 0 removes a failed save's folder) or never made on this node
+            need = 0
         if latest is None:
             need = max(need, _state_bytes(self.states) * (dist.get_world_size() if dist.is_initialized() else 1))
         if free >= need:
