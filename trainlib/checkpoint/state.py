@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
@@ -171,11 +172,12 @@ class TrainState:
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
-        changed = _changes(sd.get("schedule"), self.schedule)
+        said = not dist.is_initialized() or dist.get_rank() == 0  # every rank loads alike: one line, rank 0's
+        changed = _changes(sd.get("schedule"), self.schedule) if said else ""
         if changed:
             logger.warning(f"resumed at step {self.step} with other schedule settings than the checkpoint's run "
                            f"({changed}): the learning rate from step {self.step + 1} on follows the new ones")
-        changed = _changes(sd.get("moe"), self.moe)
+        changed = _changes(sd.get("moe"), self.moe) if said else ""
         if changed:
             logger.warning(f"resumed at step {self.step} with other [moe] settings than the checkpoint's run "
                            f"({changed}): they apply from step {self.step + 1} on")
