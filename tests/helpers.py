@@ -347,7 +347,8 @@ class NewTensors(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         inputs = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
-        if isinstance(out, torch.Tensor) and out.is_floating_point() and out.untyped_storage().data_ptr() not in inputs:
+        if (isinstance(out, torch.Tensor) and out.is_floating_point() and not out.is_meta  # meta: no memory
+                and out.untyped_storage().data_ptr() not in inputs):
             self.alive_before.append(sum(ref() is not None for ref in self._refs))
             self.made.append((str(func), tuple(out.shape)))
             self._refs.append(weakref.ref(out))

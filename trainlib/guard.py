@@ -82,6 +82,8 @@ class Guard:
         self.n_good = torch.zeros((), dtype=torch.long, device=device)
         self.skips = self.rollbacks = 0
         self.event_known = False  # the host has read an event that is not settled yet
+        # whether the last checked step's update is withheld: True/False on the host, a bool tensor on the device
+        self.withheld: bool | torch.Tensor = False
         self._pending: list[tuple[int, float, torch.Tensor]] = []  # (step, lr, [loss, grad_norm, verdict, threshold])
 
     def check(self, step: int, loss: torch.Tensor, grad_norm: torch.Tensor) -> bool:
@@ -100,10 +102,12 @@ class Guard:
             self.n_good += good.long()
         packed = torch.stack([loss, grad_norm, verdict, threshold])
         self._pending.append((step, self.optimizer.param_groups[0]["lr"], packed))
+        self.withheld = False
         if self.device_gate:
-            self.optimizer.found_inf = (verdict != 0).float()
+            self.withheld = verdict != 0
+            self.optimizer.found_inf = self.withheld.float()
         elif self.host_gate and verdict.item() != 0:  # this path's one host sync per step
-            self.event_known = True
+            self.event_known = self.withheld = True
             return False
         return True
 

@@ -166,6 +166,27 @@ def keep_earlier_run(run_dir: Path, tb_folder: str | None = None) -> dict[str, s
     return kept
 
 
+def drop_torn_tail(path: Path) -> None:
+    """Cut a record torn by a kill mid-write (the bytes after the last newline) off the end of `path`, with one
+    line: a resumed run appends after it, and its first record would otherwise join the torn one on a line no
+    reader can parse."""
+    if not path.is_file():
+        return
+    with open(path, "rb+") as f:
+        size = f.seek(0, os.SEEK_END)
+        tail = b""
+        while len(tail) < size and b"\n" not in tail:  # read back from the end to the last newline
+            n = min(4096, size - len(tail))
+            f.seek(size - len(tail) - n)
+            tail = f.read(n) + tail
+        torn = len(tail) - (tail.rfind(b"\n") + 1)
+        if torn:
+            f.truncate(size - torn)
+    if torn:
+        logger.warning(f"{path.name} ended in a torn record ({torn} bytes, cut mid-write when the last run was "
+                       f"stopped): dropped")
+
+
 class MetricsLogger:
     """Accumulates timing between log steps and writes one record per log step.
 
@@ -194,6 +215,8 @@ class MetricsLogger:
             run_dir.mkdir(parents=True, exist_ok=True)
             if not start_step:
                 keep_earlier_run(run_dir, cfg.save_tb_folder)
+            else:
+                drop_torn_tail(run_dir / "metrics.jsonl")
             self._file = open(run_dir / "metrics.jsonl", "a", encoding="utf-8")
             if cfg.enable_tensorboard:
                 self._backends.append(_TensorBoard(run_dir / cfg.save_tb_folder, start_step))

@@ -96,9 +96,20 @@ def load_run(run_dir: str | Path) -> Run:
         try:
             record = json.loads(line)
         except json.JSONDecodeError as e:
-            if i == len(lines) and not text.endswith("\n"):
-                break  # a record torn by a crash mid-write: every complete one ends with a newline
-            raise ValueError(f"{path}:{i} is not a JSON record ({e}); fix or delete that line") from None
+            if i == len(lines) and not text.endswith("\n"):  # every complete record ends with a newline
+                print(f"trainlib.report: {path}:{i}: skipped a torn last record ({len(line)} bytes cut mid-write)",
+                      file=sys.stderr)
+                break
+            # a torn record a relaunch appended its first one to (trainlib now drops such a tail on resume)
+            start = line.find('{"step"', 1)
+            try:
+                record = json.loads(line[start:]) if start > 0 else None
+            except json.JSONDecodeError:
+                record = None
+            if record is None:
+                raise ValueError(f"{path}:{i} is not a JSON record ({e}); fix or delete that line") from None
+            print(f"trainlib.report: {path}:{i}: skipped a torn record ({start} bytes cut mid-write) before step "
+                  f"{record.get('step')}'s", file=sys.stderr)
         by_step[record["step"]] = record  # a resumed run appends: the later record of a step wins
     if not by_step:
         raise ValueError(f"{path} holds no records yet; the run logs its first one after step 1")

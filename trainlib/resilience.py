@@ -397,19 +397,38 @@ class RunLock:
         import socket
 
         self.path = Path(run_dir) / self.NAME
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
-        try:
-            fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
-            holder = os.pread(self._fd, 512, 0).decode(errors="replace").strip() or "a live run"
+        while True:
+            try:  # whether this launch made the file: a refused launch removes it again (close(refused=True))
+                self._fd, self.created = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o644), True
+            except FileExistsError:
+                self._fd, self.created = os.open(self.path, os.O_RDWR), False
+            try:
+                fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                holder = os.pread(self._fd, 512, 0).decode(errors="replace").strip() or "a live run"
+                os.close(self._fd)
+                raise ConfigError(f"run folder {Path(run_dir)} is in use by {holder}: one live run per folder; wait "
+                                  f"for it to end, or give this one another job.dump_folder") from None
+            try:  # a refused launch removed the file between our open and flock: lock the one on disk
+                if os.stat(self.path).st_ino == os.fstat(self._fd).st_ino:
+                    break
+            except FileNotFoundError:
+                pass
             os.close(self._fd)
-            raise ConfigError(f"run folder {Path(run_dir)} is in use by {holder}: one live run per folder; wait for "
-                              f"it to end, or give this one another job.dump_folder") from None
+        self._before = os.pread(self._fd, 512, 0)  # the last run's line, put back if this launch is refused
         os.ftruncate(self._fd, 0)
         os.pwrite(self._fd, f"pid {os.getpid()} on {socket.gethostname()}, started "
                             f"{time.strftime('%Y-%m-%d %H:%M:%S')}\n".encode(), 0)
 
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)  # closing the descriptor releases the lock
-            self._fd = None
+    def close(self, refused: bool = False) -> None:
+        """Release the lock. `refused`: this launch was refused at start-up and leaves the folder as it found it
+        (the file removed if it made it, else the earlier run's line put back), still holding the lock."""
+        if self._fd is None:
+            return
+        if refused and self.created:
+            self.path.unlink(missing_ok=True)
+        elif refused:
+            os.ftruncate(self._fd, 0)
+            os.pwrite(self._fd, self._before, 0)
+        os.close(self._fd)  # closing the descriptor releases the lock
+        self._fd = None

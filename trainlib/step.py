@@ -12,9 +12,14 @@ can assemble a step differently.
 Each call returns the loss sum and an auxiliary dict: values a model family
 reports per step beside the loss (where a mixture-of-experts router puts its
 auxiliary loss and its load statistics); dense families report none.
-`after_optimizer_step()` runs the hooks that must follow every update (float8's
-scale precompute now, an MoE router's bias update next), registered with
-`add_after_optimizer_step`.
+`after_optimizer_step(withheld)` runs the hooks that must follow every update
+(float8's scale precompute, an MoE router's bias and load update), registered
+with `add_after_optimizer_step`. A step whose update the guard withheld
+(`training.on_nonfinite`/`on_spike = "skip"`) changes no per-step state: when
+the host knows it (`withheld` True) no hook runs; when only the device knows it
+(fused AdamW's gate, `withheld` a bool tensor) the MoE update is computed and
+discarded on the device (no host sync), and other hooks see the weights the
+step left unchanged (float8's scales come out the same).
 """
 
 from __future__ import annotations
@@ -56,6 +61,7 @@ class StepRunner:
     _after_step: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _moe: dict[int, MoE] = field(default_factory=dict, repr=False)  # this rank's MoE blocks by layer index
     _moe_counts: torch.Tensor | None = field(default=None, repr=False)  # the last step's global counts
+    _withheld: torch.Tensor | None = field(default=None, repr=False)  # the device's verdict, during the hooks
 
     def __post_init__(self) -> None:
         self._moe = moe_layers(self.parts)
@@ -151,7 +157,15 @@ class StepRunner:
     def _moe_after_step(self) -> None:
         if self._moe_counts is not None:
             for i, m in self._moe.items():
+                if self._withheld is None:
+                    m.after_step(self._moe_counts[i, :m.args.n_experts])
+                    continue
+                state = (m.expert_bias, m.expert_load)  # what MoE.after_step moves
+                before = [b.clone() for b in state]
                 m.after_step(self._moe_counts[i, :m.args.n_experts])
+                with torch.no_grad():  # a withheld update keeps what the buffers held, decided on the device
+                    for b, old in zip(state, before):
+                        b.copy_(torch.where(self._withheld, old, b))
             self._moe_counts = None
 
     @torch.no_grad()
@@ -176,9 +190,19 @@ class StepRunner:
         """Run `hook` after every optimizer step (`after_optimizer_step`)."""
         self._after_step.append(hook)
 
-    def after_optimizer_step(self) -> None:
-        for hook in self._after_step:
-            hook()
+    def after_optimizer_step(self, withheld: bool | torch.Tensor = False) -> None:
+        """Run the hooks after an optimizer step. `withheld`: the guard withheld this step's update (True: the
+        host knows it, nothing runs; a bool tensor: the device's verdict, the MoE update is kept only where it
+        is False)."""
+        if withheld is True:
+            self._moe_counts = None  # this step's routing moves nothing
+            return
+        self._withheld = withheld if isinstance(withheld, torch.Tensor) else None
+        try:
+            for hook in self._after_step:
+                hook()
+        finally:
+            self._withheld = None
 
     def _loss_context(self):
         # Vocab-sharded logits under TP: the loss's forward and backward run on shards.

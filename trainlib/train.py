@@ -10,6 +10,7 @@ bottom.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import signal
@@ -18,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from trainlib.config import ConfigError, JobConfig, config_to_dict, load_job_config, save_config
-from trainlib.config.cli import RecipeArgumentParser
+from trainlib.config.cli import RecipeArgumentParser, print_to_reader
 from trainlib.config.loader import describe
 from trainlib.errors import (EXIT_INTERNAL, EXIT_PREEMPTED, EXIT_STOPPED, EXIT_USER, Preempted, TrainingStopped,
                              print_once_per_node, report_crash, report_user_error, verdict_line, writable_folder)
@@ -43,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
             from trainlib.config.recipes import available_recipes
 
             width = max(map(len, available_recipes()))
-            print("\n".join(f"{name:<{width}}  {about}" for name, about in available_recipes().items()))
+            print_to_reader("\n".join(f"{name:<{width}}  {about}" for name, about in available_recipes().items()))
             return 0
         cfg = load_job_config(ns.recipe, overrides)
         run_dir = cfg.job.dump_folder
@@ -155,33 +156,45 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     dims.build_mesh(info.device.type)
 
     run_dir = Path(cfg.job.dump_folder)
-    lock, refused = None, None
+    lock, refused, made = None, None, []
     if info.rank == 0:
+        folders = {"job.dump_folder": run_dir}
+        if cfg.checkpoint.enable:
+            folders["checkpoint.folder"] = checkpoint_root(cfg.checkpoint, run_dir)
+            if cfg.checkpoint.export_hf:  # where the run ends: found unusable now, not after training
+                folders["checkpoint.export_hf"] = run_dir / "hf"
+        made = [p for f in folders.values() for p in (f, *f.parents) if not p.exists()]  # a refusal removes them
         try:  # the folders are usable, and no live run holds them: before anything of this run is written
-            writable_folder(run_dir, "job.dump_folder")
-            if cfg.checkpoint.enable:
-                writable_folder(checkpoint_root(cfg.checkpoint, run_dir), "checkpoint.folder")
+            for key, folder in folders.items():
+                writable_folder(folder, key)
             lock = RunLock(run_dir)
         except ConfigError as e:
             refused = str(e)
+            _remove_empty(made)
     refused = from_rank0(refused)  # every rank of this launch stops alike
     if refused is not None:
         raise ConfigError(refused)
     try:
         return _build_job(cfg, info, dims, model, tokenizer, local_bs, grad_accum, run_dir, lock)
-    except BaseException:  # the folder is free again for the next launch of this process (a retry, a test)
-        if lock is not None:
-            lock.close()
+    except BaseException as e:  # the folder is free again for the next launch of this process (a retry, a test)
+        if lock is not None:  # refused at start-up: the folder as this launch found it (docs/reliability.md)
+            lock.close(refused=isinstance(e, ConfigError))
+            if isinstance(e, ConfigError):
+                _remove_empty(made)
         raise
+
+
+def _remove_empty(folders: list[Path]) -> None:
+    """Remove those of `folders` that are empty, deepest first (what a refused launch made)."""
+    for p in sorted(folders, key=lambda p: len(p.parts), reverse=True):
+        with contextlib.suppress(OSError):  # not empty (something else wrote there), or gone
+            p.rmdir()
 
 
 def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, model: ResolvedModel, tokenizer, local_bs: int,
                grad_accum: int, run_dir: Path, lock: RunLock | None) -> Job:
     """`setup` from the run folder on, once this launch holds it."""
     t = cfg.training
-    if info.rank == 0:
-        save_config(cfg, run_dir / "config.toml")
-
     dp_rank, dp_world = dims.dp_coords()  # the data's refusals come before the memory check's, which may follow from them
     loader = build_dataloader(cfg.data, tokenizer, t.seq_len, local_bs, dp_rank, dp_world, t.seed)
     built = build_model_parts(cfg, dims, info.device, model)  # meta build, float8, PP split, parallelize
@@ -197,10 +210,16 @@ def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, model: Resolv
         "model": ModelState(built.parts), "optimizer": OptimizerState(built.parts, optimizer),
         "scheduler": scheduler, "dataloader": loader, "guard": guard,
         "trainer": TrainState(tokens_per_step=t.global_batch_size * t.seq_len, model_args=built.model_args,
-                              model_name=cfg.model.name, schedule=schedule_settings(cfg))})
+                              model_name=cfg.model.name, schedule=schedule_settings(cfg),
+                              model_overrides=tuple(k for k in ("n_layers", "vocab_size")
+                                                    if getattr(cfg.model, k) is not None),
+                              moe={f"moe.{k}": v for k, v in vars(cfg.moe).items()} if built.runner.moe_experts
+                              else None)})
     start_step = checkpointer.load()
     validator = build_validator(cfg.validation, tokenizer, t.seq_len, local_bs, grad_accum, t.seed, built.runner)
     profiler = Profiler(cfg.profiling, run_dir, info.rank, info.device, start_step)
+    if info.rank == 0:  # every start-up check has passed: from here on this launch writes into the run folder
+        save_config(cfg, run_dir / "config.toml")
     flops = model.spec.flops_per_token(model.args, t.seq_len)
     metrics = MetricsLogger(cfg.metrics, run_dir, rank=info.rank, device=info.device, flops_per_token=flops,
                             world_size=info.world_size, float8=cfg.float8.enable, start_step=start_step,
@@ -262,7 +281,7 @@ def train_loop(job: Job) -> list[dict]:
                                     optimizer=job.optimizer, copies=job.runner.stage_copies())
         if job.guard.check(step, loss, grad_norm):  # judged on the device; False: a skip the host knows of
             job.optimizer.step()
-        job.runner.after_optimizer_step()  # float8's next scales (an MoE router's bias next)
+        job.runner.after_optimizer_step(job.guard.withheld)  # float8's next scales, MoE bias; none if withheld
         job.scheduler.step()
         job.optimizer.zero_grad(set_to_none=True)
         job.metrics.step_done(tokens_per_step)

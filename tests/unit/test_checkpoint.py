@@ -154,6 +154,36 @@ def test_retention_keeps_latest_k_and_every_multiple(tmp_path):
     assert complete_steps(tmp_path / "shared") == [4, 8, 9, 10]
 
 
+def test_a_retention_killed_mid_delete_leaves_nothing_behind(tmp_path, monkeypatch, caplog):
+    # issue 54 item 6: a SIGKILL while retention deleted step-4 left a half-deleted step-4 (no .metadata, so
+    # not "complete") that no later retention removed: after two more saves with keep 1 it sat beside step-8.
+    import shutil
+    from pathlib import Path
+
+    model, opt, sched, ck = _job(tmp_path, interval=1, keep_latest_k=1)
+    ck.maybe_save(1, last_step=9)
+    rmtree = shutil.rmtree
+
+    def killed_midway(path, *a, **kw):  # deletes one file (the first listed), then the process dies
+        files = sorted(p for p in Path(path).iterdir())
+        files[0].unlink()
+        raise SystemExit("SIGKILL")
+
+    monkeypatch.setattr(shutil, "rmtree", killed_midway)
+    with pytest.raises(SystemExit):
+        ck.maybe_save(2, last_step=9)  # committed, then killed while deleting step-1
+    monkeypatch.setattr(shutil, "rmtree", rmtree)
+    # and a half-deleted folder as an older trainlib left it: step-N itself, its .metadata gone
+    (ck.root / "step-0").mkdir()
+    (ck.root / "step-0" / "__0_0.distcp").write_bytes(b"x" * 10)
+    model2, opt2, sched2, ck2 = _job(tmp_path, interval=1, keep_latest_k=1)
+    assert ck2.load() == 2
+    for step in (3, 4):
+        ck2.maybe_save(step, last_step=9)
+    assert [p.name for p in ck.root.iterdir()] == ["step-4"]  # nothing else, aside or not
+    assert "step-1" in caplog.text  # the leftover named when removed
+
+
 def test_keep_every_must_be_a_multiple_of_the_interval():
     with pytest.raises(ValueError, match=r"keep_every=5 must be 0 or a multiple of checkpoint.interval=2.*e\.g\. 4"):
         CheckpointConfig(interval=2, keep_every=5, keep_latest_k=1)
@@ -339,6 +369,46 @@ def test_a_full_disk_skips_that_save_but_not_the_last_one_and_other_errors_propa
     assert complete_steps(ck.root) == [1, 5]
 
 
+@pytest.mark.parametrize("where", ["shards", "manifest"])
+def test_a_full_disk_is_recognised_by_its_free_space_whatever_error_reports_it(tmp_path, monkeypatch, caplog, where):
+    # issue 54 item 6: torch's zip writer reports a full tmpfs as "RuntimeError: [enforce fail at
+    # inline_container.cc:672] unexpected pos", which _save_failed let through as a traceback that ended the run.
+    import shutil
+    from pathlib import Path
+
+    from torch.distributed.checkpoint.filesystem import FileSystemWriter
+
+    from trainlib.checkpoint import incomplete_folders
+    from trainlib.checkpoint.manager import MANIFEST
+
+    model, opt, sched, ck = _job(tmp_path, interval=1)
+    ck.maybe_save(1, last_step=3)
+    size = sum(f.stat().st_size for f in step_folder(ck.root, 1).iterdir())
+    cls, name = (FileSystemWriter, "write_data") if where == "shards" else (Path, "write_text")
+    original, disk_usage, free = getattr(cls, name), shutil.disk_usage, [size // 2]
+
+    def failing(self, *a, **kw):
+        if where == "shards" or self.name == MANIFEST:
+            raise (RuntimeError("[enforce fail at inline_container.cc:672] unexpected pos 320 vs 210") if
+                   where == "shards" else OSError(errno.EIO, "Input/output error"))
+        return original(self, *a, **kw)
+
+    def usage(path):
+        assert Path(path) == ck.root  # the save's own target
+        return disk_usage(path)._replace(free=free[0])
+
+    monkeypatch.setattr(cls, name, failing)
+    monkeypatch.setattr(shutil, "disk_usage", usage)
+    ck.maybe_save(2, last_step=3)  # half a checkpoint free: a full disk; training goes on
+    assert re.search(r"checkpoint step 2 not saved: no space left on device \(\d+(\.\d+)? \w+ free in \S+, a "
+                     r"checkpoint takes about \d+(\.\d+)? \w+; (RuntimeError|OSError) on ranks? .*\); step 1 stays "
+                     r"the latest complete checkpoint in \S+; training continues and the next save retries", caplog.text)
+    assert complete_steps(ck.root) == [1] and incomplete_folders(ck.root) == []
+    free[0] = 1000 * size  # room enough: the failure is not a full disk and propagates as it is
+    with pytest.raises((RuntimeError, OSError, CheckpointException), match="unexpected pos|Input/output"):
+        ck.maybe_save(3, last_step=4)
+
+
 def test_a_step_saved_again_after_going_back_in_time_replaces_the_old_one(tmp_path):
     model, opt, sched, ck = _job(tmp_path, interval=2)
     for step in (2, 4):
@@ -403,6 +473,23 @@ def test_restore_latest_reloads_the_newest_checkpoint_except_the_excluded_parts(
     assert ck.restore_latest(exclude=["scheduler"]) == 2
     assert torch.equal(model.output.weight, saved) and ck.train_state.step == 2
     assert sched.last_epoch == 3  # excluded: not rolled back
+
+
+def test_a_rollback_onto_a_damaged_checkpoint_skips_it_like_a_resume_and_says_so(tmp_path, caplog):
+    # issue 54 item 6: the rollback loaded the newest folder unchecked and ended in a zip reader's traceback.
+    model, opt, sched, ck = _job(tmp_path, interval=1)
+    for step in (1, 2, 3):
+        _train_step(model, opt, sched)
+        ck.maybe_save(step, last_step=4)
+        if step == 2:
+            saved = model.output.weight.clone()
+    shard = next(step_folder(ck.root, 3).glob("*.distcp"))
+    shard.write_bytes(shard.read_bytes()[:-100])  # cut, as a full disk or an interrupted copy leaves it
+    assert ck.restore_latest(exclude=["dataloader"]) == 2
+    assert torch.equal(model.output.weight, saved)
+    assert re.search(r"skipping damaged checkpoint \S+step-3 \(__0_0.distcp has \d+ bytes, \d+ when committed\); "
+                     r"moved to step-3.corrupt", caplog.text)
+    assert complete_steps(ck.root) == [1, 2] and (ck.root / "step-3.corrupt").is_dir()
 
 
 def test_checkpoint_bench_tables_each_modes_first_and_median_later_save(monkeypatch, capsys):

@@ -187,3 +187,17 @@ def test_a_refused_command_line_is_answered_without_importing_torch(args, expect
 def test_list_recipes_is_answered_without_importing_torch():
     proc = _run_without_torch("trainlib.train", "--list-recipes")
     assert proc.returncode == 0 and "debug" in proc.stdout, proc.stderr[-3000:]
+
+
+@pytest.mark.parametrize("tool,args", [("trainlib.train", ["--help"]), ("trainlib.plan", ["--help"]),
+                                       ("trainlib.train", ["--list-recipes"])])
+def test_help_read_by_head_exits_quietly(tool, args):
+    # issue 54 item 8: `python -m trainlib.train --help | head` ended in a BrokenPipeError traceback
+    import subprocess
+    import sys
+
+    proc = subprocess.Popen([sys.executable, "-m", tool, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert proc.stdout.read(6) == b"usage:" or args == ["--list-recipes"]
+    proc.stdout.close()  # as head does after its lines
+    err = proc.stderr.read().decode()
+    assert proc.wait(timeout=120) == 0 and err == "", err

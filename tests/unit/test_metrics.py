@@ -385,3 +385,18 @@ def test_gpu_of_device_names_the_datasheet_row_mfu_divides_by(device_name, key):
     from trainlib.hardware import GPUS, gpu_of_device
 
     assert gpu_of_device(device_name) is (GPUS[key] if key else None)
+
+
+def test_a_resumed_run_drops_the_torn_last_line_a_kill_left_and_says_so(tmp_path, caplog):
+    # issue 54 item 6: the resumed run appended its first record to the torn one, a line no reader could
+    # parse mid-file, so trainlib.report refused the whole run.
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "loss": 2.0}\n{"step": 2, "lo')
+    caplog.set_level("INFO", logger="trainlib")
+    m = MetricsLogger(MetricsConfig(console=False), tmp_path, rank=0, device=torch.device("cpu"),
+                      flops_per_token=1e6, world_size=1, start_step=1)
+    m.step_done(1)
+    m.log(2, loss=1.5, grad_norm=1.0, lr=1.0)
+    m.close()
+    assert [json.loads(x)["step"] for x in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]
+    assert ("metrics.jsonl ended in a torn record (15 bytes, cut mid-write when the last run was stopped): "
+            "dropped") in caplog.text

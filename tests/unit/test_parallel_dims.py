@@ -71,5 +71,5 @@ def test_ep_borrows_from_dp_shard_cp_tp_and_is_off_by_default():
     assert (plain.ep, plain.efsdp, plain.ep_enabled) == (1, 8, False) and "ep" not in plain.degrees()
     with pytest.raises(ValueError, match=r"^parallelism.ep \(3\) must divide dp_shard\(2\) \* cp\(1\) \* tp\(2\) = "
                                          r"4: expert parallel borrows its ranks from those axes .*; pick ep among "
-                                         r"1, 2, 4$"):
+                                         r"1, 2, 4 that also divides the model's number of experts$"):
         ParallelDims(world_size=4, dp_shard=2, tp=2, ep=3)

@@ -845,3 +845,11 @@ def test_moe_activation_estimate_equals_saved_tensors(dtype, shared):
     offsets = 4 * args.n_experts  # the grouped matmul's int32 offsets
     gate_copy = 4 * dim * args.n_experts if elem < 4 else 0  # the router weight's fp32 copy (for the input gradient)
     assert measured - est == offsets + gate_copy, (est, measured)
+
+
+def test_suggest_lists_each_layout_once_when_the_recipe_sets_ep():
+    # issue 54 item 8: the layout without an ep override ran at the recipe's own ep, and again as its ep row
+    rows = suggest("debug_moe", 2, "h100", ["parallelism.ep=2"], top=1000)
+    keys = [tuple(r.get(k) for k in ("tp", "pp", "cp", "cp_method", "cp_ulysses", "dp_replicate", "dp_shard", "ep",
+                                     "ac")) for r in rows]
+    assert len(keys) == len(set(keys)) and {r.get("ep", 1) for r in rows} == {1, 2}

@@ -286,8 +286,9 @@ def test_flops_count_the_parameters_a_token_activates(shared):
 
 
 @pytest.mark.parametrize("degrees,message", [
-    ({"ep": 3, "dp_shard": 3}, r"^parallelism.ep \(3\) must divide the number of experts \(8\).*pick ep among 1, 2, "
-                               r"4, 8$"),
+    # issue 54 item 8: the hint lists what both ep rules take (it listed 2, 4 and 8, which dp_shard 6 refuses)
+    ({"ep": 3, "dp_shard": 6}, r"^parallelism.ep \(3\) must divide the number of experts \(8\).*pick ep among 1, 2 "
+                               r"\(dividing both 8 and dp_shard \* cp \* tp = 6\)$"),
     ({"tp": 3}, r"^model n_heads \(4\) must be divisible by parallelism.tp \(3\)"),
     ({"tp": 2}, None),  # seq_len 255 below
 ])

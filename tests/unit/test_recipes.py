@@ -120,3 +120,12 @@ def test_batch_that_does_not_split_over_the_data_ranks_names_that_rule():
     with pytest.raises(ConfigError, match=r"^training.global_batch_size \(6\) must be divisible"):
         cfg = load_job_config(None, ["--training.global_batch_size=6"])
         validate_job(cfg, dims, resolve_model(cfg.model), 256)
+
+
+@pytest.mark.parametrize("name", ["qwen3_30b_a3b.toml", "qwen3_235b_a22b.toml"])
+def test_the_moe_recipes_say_what_compile_does_today(name):
+    # issue 54 item 8: their comments said validate.py refuses compile with MoE blocks, which it no longer does
+    cfg = load_job_config(str(RECIPES / name), ["--compile.enable=true"])
+    dims = ParallelDims.from_config(cfg.parallelism, WORLD[name])
+    validate_job(cfg, dims, resolve_model(cfg.model), model_args(cfg.model).vocab_size)  # accepted
+    assert "refuses compile" not in (RECIPES / name).read_text()

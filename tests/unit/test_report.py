@@ -354,3 +354,15 @@ def test_a_layer_missing_at_a_step_is_left_blank_and_layers_sort_as_numbers():
     hm = heat_map("t", "run", [1, 3], [{"10": 1.0, "9": 2.0}, {"9": float("nan"), "2": 1.5}])
     assert hm.rows == ["2", "9", "10"]
     assert hm.values == [[None, 1.5], [2.0, None], [1.0, None]] and hm.edges == [0.0, 2.0, 4.0]
+
+
+def test_a_torn_record_is_skipped_with_a_note_where_a_relaunch_appended_after_it(tmp_path, capsys):
+    # issue 54 item 6: a kill tore the last line and the relaunched run (before it dropped such a tail)
+    # appended its first record to it; the report refused the whole run. A torn last line is noted too.
+    first = [record(s, 10.0 - s) for s in (1, 2)]
+    folder = write_run(tmp_path / "run", first, torn_tail='{"step": 3, "lo' + json.dumps(record(3, 6.5)) + "\n"
+                       + json.dumps(record(4, 5.5)) + "\n" + '{"step": 5')
+    assert [r["loss"] for r in load_run(folder).records] == [9.0, 8.0, 6.5, 5.5]
+    err = capsys.readouterr().err
+    assert f"{folder / 'metrics.jsonl'}:3: skipped a torn record (15 bytes cut mid-write) before step 3's" in err
+    assert f"{folder / 'metrics.jsonl'}:5: skipped a torn last record (10 bytes cut mid-write)" in err

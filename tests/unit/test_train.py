@@ -155,3 +155,30 @@ def test_a_finished_run_relaunched_says_nothing_to_train(tmp_path, capfd):
     assert train(_cfg(tmp_path, "--training.steps=2", "--checkpoint.enable=true")) == []
     assert "nothing to train: the run folder's checkpoint is at step 2 and training.steps = 2" in capfd.readouterr().out
     assert (tmp_path / "metrics.jsonl").read_text() == lines  # the run's history untouched
+
+
+def test_a_refused_launch_writes_nothing(tmp_path, capfd):
+    # issue 54 item 5: a dense checkpoint resumed as an MoE run was refused after config.toml was rewritten
+    # (the report then labelled the earlier run with the refused run's settings) and a refused launch into a
+    # new folder left the folder and its lock behind.
+    run = tmp_path / "run"
+    train(_cfg(run, "--training.steps=2", "--checkpoint.enable=true", "--model.name=qwen3", "--model.flavor=debug"))
+    before = {p.relative_to(run): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    with pytest.raises(ConfigError, match="checkpoint"):
+        train(_cfg(run, "--training.steps=4", "--checkpoint.enable=true", "--model.name=qwen3_moe",
+                   "--model.flavor=debug_moe"))
+    after = {p.relative_to(run): p.read_bytes() for p in sorted(run.rglob("*")) if p.is_file()}
+    assert after == before  # config.toml, metrics.jsonl, the lock: as the earlier run left them, nothing new
+    fresh = tmp_path / "new" / "run"
+    with pytest.raises(ConfigError, match="needs about"):  # refused by the memory check, after the folder's
+        train(_cfg(fresh, "--training.seq_len=1000000"))
+    assert not (tmp_path / "new").exists()  # no folder, no lock, no config.toml
+
+
+def test_an_hf_export_that_cannot_be_written_is_refused_at_start_up(tmp_path):
+    # issue 54 item 3: checkpoint.export_hf's folder (and whether HF's format holds the model) were found
+    # out after training
+    (tmp_path / "hf").write_text("a file where the export goes")
+    with pytest.raises(ConfigError, match=r"checkpoint.export_hf = '\S+hf': \S+hf is a file, not a folder"):
+        train(_cfg(tmp_path, "--checkpoint.enable=true", "--checkpoint.export_hf=true"))
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]  # nothing trained, nothing written

@@ -23,6 +23,7 @@ from trainlib.checkpoint.hf import (
     LazyWeights,
     args_from_dict,
     read_hf_folder,
+    spec_of_args,
     write_hf_folder,
 )
 from trainlib.checkpoint.state import TrainState
@@ -171,4 +172,27 @@ def dcp_to_hf(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike, args: Any
         args = saved_model_args(ckpt_dir, weights.reader)
         if args is None:
             raise ConfigError(f"{ckpt_dir} does not record the model shape: give it (--flavor)")
+    check_weights_fit(weights, args, str(ckpt_dir))  # before anything is written
     return write_hf_folder(weights, args, out_dir, dtype=dtype, max_shard_bytes=max_shard_bytes)
+
+
+def check_weights_fit(weights: DCPWeights, args: Any, source: str) -> None:
+    """One line when a checkpoint's model tensors are not those of the model `args` describe (a weight it
+    lacks, holds in another shape, or holds beyond that model's), before an export writes a config over
+    weights it does not describe."""
+    spec = spec_of_args(args)
+    with torch.device("meta"):
+        model = spec.model_cls(args, rope_len=1)
+    want = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    for name, shape in want.items():
+        if name not in weights:
+            raise ConfigError(f"{source} has no {name}, which a {spec.name} model of these args holds: give the "
+                              f"--model and --flavor it was trained with")
+        if tuple(weights.spec(name)[0]) != shape:
+            raise ConfigError(f"{source} holds {name} of shape {list(weights.spec(name)[0])}, a {spec.name} model "
+                              f"of these args {list(shape)}: give the --model and --flavor it was trained with")
+    extra = sorted(set(weights) - set(want))
+    if extra:
+        raise ConfigError(f"{source} holds {len(extra)} weight(s) a {spec.name} model of these args does not "
+                          f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}): give the --model and "
+                          f"--flavor it was trained with")

@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import struct
 from collections.abc import Iterator, Mapping
-from dataclasses import fields
+from dataclasses import fields, is_dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -206,28 +208,136 @@ class HFWeights(LazyWeights):
 def read_hf_folder(path: str | os.PathLike) -> tuple[Any, HFWeights]:
     """(model shape, trainlib-named full tensors, read on access) from an HF
     folder, sharded (`model.safetensors.index.json`) or not; the family is
-    the one that reads its config.json (`HFWeights.spec`)."""
+    the one that reads its config.json (`HFWeights.spec`). The folder is
+    checked whole first, each fault one line naming the file and the field
+    (`check_hf_weights`): a value of config.json that is a string where a
+    number belongs, a safetensors file cut short or damaged, an index naming
+    a tensor its file lacks, a tensor config.json's model has and no file
+    holds, one it does not have, one of another shape."""
     path = Path(path)
     if not is_hf_folder(path):
         raise ConfigError(f"{path} is not a Hugging Face checkpoint folder: expected config.json and *.safetensors")
-    config = json.loads((path / "config.json").read_text())
+    config = _read_json(path / "config.json")
+    _refuse_numbers_as_strings(config, path / "config.json")
     spec = spec_of_hf_config(config, path / "config.json")
     args = spec.state_dict_adapter.args_from_hf_config(config)
     index = path / _INDEX
     if not index.is_file():  # one file, or files without an index: their headers name their tensors
-        from safetensors import safe_open
+        files = sorted(path.glob("*.safetensors"))
+        held = {f: safetensors_header(f) for f in files}
+        file_of = {name: f for f, header in held.items() for name in header}
+        where = files[0] if len(files) == 1 else path
+    else:
+        index_json = _read_json(index)
+        weight_map = index_json.get("weight_map") if isinstance(index_json, dict) else None
+        if not isinstance(weight_map, dict):
+            raise ConfigError(f"{index} has no weight_map: a damaged index; fetch it again")
+        absent = sorted({f for f in weight_map.values() if not (path / f).is_file()})
+        if absent:
+            raise ConfigError(f"{index} lists {len(absent)} file(s) the folder lacks ({', '.join(absent[:3])}"
+                              f"{', ...' if len(absent) > 3 else ''}): an incomplete download or copy; fetch them")
+        # the index's files: others may be stale
+        held = {path / f: safetensors_header(path / f) for f in sorted(set(weight_map.values()))}
+        for name, f in weight_map.items():
+            if name not in held[path / f]:
+                raise ConfigError(f"{index} names {name} in {f}, which does not hold it: an index of other files "
+                                  f"(an incomplete download or copy); fetch the folder again")
+        file_of, where = {name: path / f for name, f in weight_map.items()}, index
+    shapes = {name: held[f][name] for name, f in file_of.items()}
+    check_hf_weights(spec, args, shapes, file_of, where)
+    return args, HFWeights(file_of, args, spec, config)
 
-        file_of = {}
-        for f in sorted(path.glob("*.safetensors")):
-            with safe_open(str(f), framework="pt") as handle:
-                file_of.update(dict.fromkeys(handle.keys(), f))
-        return args, HFWeights(file_of, args, spec, config)
-    weight_map = json.loads(index.read_text())["weight_map"]  # the index's files: others may be stale
-    absent = sorted({f for f in weight_map.values() if not (path / f).is_file()})
-    if absent:
-        raise ConfigError(f"{index} lists {len(absent)} file(s) the folder lacks ({', '.join(absent[:3])}"
-                          f"{', ...' if len(absent) > 3 else ''}): an incomplete download or copy; fetch them")
-    return args, HFWeights({name: path / f for name, f in weight_map.items()}, args, spec, config)
+
+def _read_json(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{path} is not valid JSON ({e}): a damaged download; fetch it again") from None
+
+
+_NUMBER = re.compile(r"\s*[-+]?(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?\s*")
+
+
+def _refuse_numbers_as_strings(config: Any, path: Path, prefix: str = "") -> None:
+    """One line for a value of config.json (or of a section in it) that is a number written as a string
+    ("64"): families read the numbers as they are, and a string would fail deep inside torch."""
+    if not isinstance(config, dict):
+        raise ConfigError(f"{path} is not a JSON object: a damaged download; fetch it again")
+    for key, value in config.items():
+        if isinstance(value, dict):
+            _refuse_numbers_as_strings(value, path, f"{prefix}{key}.")
+        elif isinstance(value, str) and _NUMBER.fullmatch(value):
+            raise ConfigError(f"{path}: {prefix}{key} is the string {value!r} where a number belongs; write it "
+                              f"without quotes ({value.strip()})")
+
+
+def safetensors_header(file: Path) -> dict[str, list[int]]:
+    """{tensor name: shape} from a safetensors file's header, read without torch; a file that is not one, or
+    is shorter than its header says (cut by an interrupted download or copy), is one line."""
+    size = file.stat().st_size
+    with open(file, "rb") as f:
+        head = f.read(8)
+        n = struct.unpack("<Q", head)[0] if len(head) == 8 else None
+        raw = f.read(n) if n is not None and n <= size - 8 else b""
+    try:
+        header = json.loads(raw) if raw else None
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        header = None
+    if not isinstance(header, dict):
+        raise ConfigError(f"{file} is not a safetensors file ({size} bytes, no readable header): a damaged or "
+                          f"incomplete download; fetch it again")
+    header.pop("__metadata__", None)
+    entries = header.values()
+    if not all(isinstance(v, dict) and isinstance(v.get("shape"), list) and isinstance(v.get("data_offsets"), list)
+               and len(v["data_offsets"]) == 2 for v in entries):
+        raise ConfigError(f"{file} is not a safetensors file (its header lists no tensors' shapes and offsets): "
+                          f"a damaged download; fetch it again")
+    end = 8 + n + max((v["data_offsets"][1] for v in entries), default=0)
+    if size < end:
+        raise ConfigError(f"{file} is cut short: {size} bytes, its header describes {end}: an interrupted "
+                          f"download or copy; fetch it again")
+    return {name: v["shape"] for name, v in header.items()}
+
+
+def _natural(name: str) -> list:
+    return [int(part) if part.isdigit() else part for part in re.split(r"(\d+)", name)]
+
+
+def check_hf_weights(spec: ModelSpec, args: Any, shapes: dict[str, list[int]], file_of: dict[str, Path],
+                     where: Path) -> None:
+    """One line when the tensors of an HF folder (`shapes`: HF name -> shape, `file_of`: HF name -> file) are
+    not those its config.json describes (`args`): a tensor the model has that no file holds, a tensor no
+    part of the model explains (experts, layers beyond the config's), or one of another shape (heads). An
+    old export's rotary inv_freq buffers are not weights and are let through. `where` names the files
+    (the one file, or the index)."""
+    adapter = spec.state_dict_adapter
+    with torch.device("meta"):
+        model = spec.model_cls(args, rope_len=1)
+    ours = {name: list(t.shape) for name, t in model.state_dict().items()}
+    expected: dict[str, list[int]] = {}  # HF name -> shape, of everything the model's HF folder holds
+    for name, theirs in adapter.trainlib_weight_names(ours, args).items():
+        for hf in ([theirs] if isinstance(theirs, str) else theirs):
+            expected[hf] = ours[name] if isinstance(theirs, str) else ours[name][1:]
+    missing = sorted((n for n in expected if n not in shapes), key=_natural)
+    if missing:
+        raise ConfigError(f"{where} lacks {len(missing)} tensor(s) config.json's model has ({', '.join(missing[:3])}"
+                          f"{', ...' if len(missing) > 3 else ''}): an incomplete download or copy, or a config.json "
+                          f"that does not describe these weights")
+    def explained(hf: str) -> bool:  # e.g. a tied model's lm_head, which some exports keep: a weight of the model
+        return any(isinstance(theirs, str) and name in ours and list(shapes[hf]) == ours[name]
+                   for name, theirs in adapter.hf_weight_names([hf], args).items())
+
+    extra = sorted((n for n in shapes if n not in expected and not n.endswith("inv_freq") and not explained(n)),
+                   key=_natural)
+    if extra:
+        raise ConfigError(f"{where} holds {len(extra)} tensor(s) config.json's model does not have "
+                          f"({', '.join(extra[:3])}{', ...' if len(extra) > 3 else ''}): a config.json that does not "
+                          f"describe these weights (its expert, layer or head counts?)")
+    for name, shape in expected.items():
+        if list(shapes[name]) != shape:
+            raise ConfigError(f"{file_of[name]} holds {name} of shape {list(shapes[name])}, config.json's model has "
+                              f"{shape}: a config.json that does not describe these weights (its head counts or "
+                              f"widths?)")
 
 
 def write_hf_folder(sd: Mapping[str, torch.Tensor], args: Any, out_dir: str | os.PathLike, *,
@@ -312,18 +422,77 @@ def _shards(names: list[str], nbytes, limit: int) -> list[list[str]]:
     return files
 
 
-def check_shapes(args: Any, expected: Any, source: str) -> None:
-    """One line when the weights `args` describe are not the ones this run's
-    model (`expected`) holds: another family, or parameters of other shapes."""
-    have, want = spec_of_args(args), spec_of_args(expected)
+# The [model] keys a recipe may set on top of a flavor (trainlib.config.job.ModelConfig): the args fields a
+# user overrides explicitly.
+OVERRIDABLE = ("n_layers", "vocab_size")
+
+
+def arg_fields(args: Any) -> dict[str, Any]:
+    """A family's args as {field: value}, a dataclass field (an MoE family's `moe`) flattened as `moe.key`."""
+    out = {}
+    for f in fields(args):
+        value = getattr(args, f.name)
+        if is_dataclass(value):
+            out.update({f"{f.name}.{k}": v for k, v in arg_fields(value).items()})
+        else:
+            out[f.name] = value
+    return out
+
+
+def flavor_of(args: Any) -> tuple[str | None, dict[str, Any]]:
+    """(the shipped flavor of `args`' family whose fields are `args`' but for the OVERRIDABLE ones, and those
+    that differ from it as {field: args' value}); (None, {}) when no flavor has the other fields."""
+    from trainlib.models.flavors import FAMILIES
+
+    family = FAMILIES.get(spec_of_args(args).name)
+    mine = arg_fields(args)
+    for name, flavor in (family.FLAVORS.items() if family is not None else ()):
+        theirs = arg_fields(flavor)
+        if all(v == theirs.get(k) for k, v in mine.items() if k not in OVERRIDABLE):
+            return name, {k: mine[k] for k in OVERRIDABLE if k in mine and mine[k] != theirs.get(k)}
+    return None, {}
+
+
+def check_model_args(saved: Any, expected: Any, source: str, overrides: tuple[str, ...] = (),
+                     builds: str = "this run builds", fix: str | None = None) -> dict[str, tuple[Any, Any]]:
+    """One line when the model a checkpoint records (`saved`) is not the one this run builds (`expected`):
+    another family, or any field of another value, shape or not (top_k, rope_theta, ... change what the
+    weights compute without changing their shapes). The line names the fields, both values and the fix: the
+    shipped flavor with the checkpoint's values (and the n_layers / vocab_size to set), or that none has
+    them. Fields the user set explicitly (`overrides`, of OVERRIDABLE) may differ: returned as {field:
+    (checkpoint's, run's)} for the caller's start-up line. `builds` and `fix` word the line for a caller
+    that is not a run (an export)."""
+    have, want = spec_of_args(saved), spec_of_args(expected)
     if have is not want:
-        raise ConfigError(f"{source} holds a {have.name} model, but this run builds {want.name}: set "
-                          f"model.name = '{have.name}' (and its flavor), or load a {want.name} checkpoint")
-    if args != expected and _param_shapes(want, args) != _param_shapes(want, expected):
-        differ = [f.name for f in fields(args) if getattr(args, f.name) != getattr(expected, f.name)]
-        show = lambda a: " ".join(f"{k}={getattr(a, k)}" for k in differ)  # noqa: E731
-        raise ConfigError(f"{source} holds a model of {show(args)}, but this run builds {show(expected)}: set "
-                          f"model.flavor / model.n_layers / model.vocab_size to match")
+        raise ConfigError(f"{source} holds a {have.name} model, but {builds} {want.name}: " + (fix or (
+            f"set model.name = '{have.name}' (and its flavor), or load a {want.name} checkpoint")))
+    a, b = arg_fields(saved), arg_fields(expected)
+    differ = [k for k in dict.fromkeys([*a, *b]) if a.get(k) != b.get(k)]
+    # by design: a tied checkpoint starts an untied model (its output starts as the embedding)
+    allowed = set(overrides) | ({"tie_embeddings"} if a.get("tie_embeddings") is True else set())
+    if set(differ) <= allowed:
+        theirs, ours = _param_shapes(want, saved), _param_shapes(want, expected)
+        bad = next((n for n, shape in ours.items() if theirs.get(n, shape) != shape), None)
+        if bad is not None:  # the run's weights must be the checkpoint's, or some of them
+            raise ConfigError(f"{source} holds {bad} of shape {list(theirs[bad])}, but this run's model.{differ[0]} "
+                              f"= {b[differ[0]]} makes it {list(ours[bad])}: set model.{differ[0]} = {a[differ[0]]}")
+        return {k: (a.get(k), b.get(k)) for k in differ}
+    run_flavor, _ = flavor_of(expected)
+    show = lambda d: " ".join(f"{k}={d.get(k)}" for k in differ)  # noqa: E731
+    if fix is None:
+        name, _ = flavor_of(saved)
+        keys = [f"model.flavor = '{name}'"] if name != run_flavor else []
+        keys += [f"model.{k} = {a[k]}" for k in OVERRIDABLE if k in a and a[k] != b.get(k)]
+        fix = ("set " + " and ".join(keys) if name is not None else
+               f"no shipped {want.name} flavor has the checkpoint's values: load a checkpoint of this run's model, "
+               f"or train a flavor with those values (added to the {want.name} family's FLAVORS)")
+    raise ConfigError(f"{source} holds a model of {show(a)}, but {builds} {show(b)} ({want.name}"
+                      + (f" flavor '{run_flavor}'" if run_flavor else "") + f"): {fix}")
+
+
+def check_shapes(args: Any, expected: Any, source: str) -> None:
+    """`check_model_args` without overrides (every field, not only the shapes, whatever the name says)."""
+    check_model_args(args, expected, source)
 
 
 def _param_shapes(spec: ModelSpec, args: Any) -> dict[str, tuple[int, ...]]:
@@ -354,11 +523,14 @@ def load_full_state_into_model(model_parts: list[nn.Module], sd: Mapping[str, to
             copy_full_(p, sd[name])
 
 
-def load_hf_into_model(model_parts: list[nn.Module], path: str | os.PathLike, expected: Any = None) -> None:
+def load_hf_into_model(model_parts: list[nn.Module], path: str | os.PathLike, expected: Any = None,
+                       overrides: tuple[str, ...] = ()) -> dict[str, tuple[Any, Any]]:
+    """Load an HF folder's weights into the model of shape `expected` (its fields checked against the folder's
+    config.json: `check_model_args`); returns the overridden fields that differ."""
     args, sd = read_hf_folder(path)
-    if expected is not None:
-        check_shapes(args, expected, f"HF checkpoint {path}")
+    changed = check_model_args(args, expected, f"HF checkpoint {path}", overrides) if expected is not None else {}
     load_full_state_into_model(model_parts, sd, f"HF checkpoint {path}")
+    return changed
 
 
 # --------------------------------------------------------------------------- Meta format
@@ -382,5 +554,5 @@ def load_meta_into_model(model_parts: list[nn.Module], path: str | os.PathLike, 
         raise ConfigError(f"{path} holds {len(files)} consolidated.*.pth files (model-parallel shards); only "
                           "single-file Meta checkpoints load directly: convert larger ones to HF format first")
     args, sd = read(files[0], expected)
-    check_shapes(args, expected, f"Meta checkpoint {path}")
+    check_model_args(args, expected, f"Meta checkpoint {path}")
     load_full_state_into_model(model_parts, sd, f"Meta checkpoint {path}")

@@ -56,8 +56,9 @@ from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 from torch.distributed.checkpoint.stateful import Stateful
 
 from trainlib import compat
-from trainlib.checkpoint.convert import dcp_to_hf
-from trainlib.checkpoint.hf import checkpoint_format, load_hf_into_model, load_meta_into_model
+from trainlib.checkpoint.convert import dcp_to_hf, saved_model_args
+from trainlib.checkpoint.hf import (check_model_args, checkpoint_format, load_hf_into_model, load_meta_into_model,
+                                    spec_of_args)
 from trainlib.checkpoint.state import ModelState, TrainState, nonfinite_entries
 from trainlib.distributed import barrier, from_rank0
 from trainlib.errors import ConfigError, TrainingStopped
@@ -68,6 +69,7 @@ logger = logging.getLogger("trainlib")
 
 _STEP_DIR = re.compile(r"^step-(\d+)$")
 _TMP_DIR = re.compile(r"^step-(\d+)\.tmp$")
+_DELETING_DIR = re.compile(r"^step-(\d+)\.deleting$")
 MANIFEST = "manifest.json"
 
 
@@ -111,6 +113,15 @@ def incomplete_folders(root: str | os.PathLike) -> list[Path]:
     if not root.is_dir():
         return []
     return sorted(p for p in root.iterdir() if _TMP_DIR.match(p.name))
+
+
+def deleting_folders(root: str | os.PathLike) -> list[Path]:
+    """Folders retention was deleting when its process died (`step-N.deleting`): removed at the next load
+    or retention, never loaded."""
+    root = Path(root)
+    if not root.is_dir():
+        return []
+    return sorted(p for p in root.iterdir() if _DELETING_DIR.match(p.name))
 
 
 def latest_step(root: str | os.PathLike) -> int | None:
@@ -243,6 +254,10 @@ class Checkpointer:
         self._last_step: int | None = None  # the run's final step, whose save must not fail quietly
         self._async_pg = None
         self._stager = None
+        if cfg.enable and cfg.export_hf and self.train_state.model_args is not None:
+            # a model the HF format cannot express is refused now, not after training (ConfigError)
+            spec_of_args(self.train_state.model_args).state_dict_adapter.hf_config_from_args(
+                self.train_state.model_args)
         if cfg.enable and cfg.async_mode != "disabled" and dist.is_initialized():
             # Background saves run collectives while the loop runs its own; a
             # separate gloo group keeps the two from interleaving on one channel.
@@ -264,12 +279,17 @@ class Checkpointer:
             barrier()
             return self._initial_load()
         barrier()  # every rank sees the folder before rank 0 cleans it
-        stale = incomplete_folders(self.root)
+        stale, deleting = incomplete_folders(self.root), deleting_folders(self.root)
         barrier()
         if stale and self.rank == 0:
             logger.warning(f"removing incomplete checkpoint folders (a save was interrupted): "
                            f"{', '.join(p.name for p in stale)}")
             for p in stale:
+                shutil.rmtree(p, ignore_errors=True)
+        if deleting and self.rank == 0:
+            logger.warning(f"removing what an interrupted retention left (checkpoint.keep_latest_k had deleted "
+                           f"them): {', '.join(p.name for p in deleting)}")
+            for p in deleting:
                 shutil.rmtree(p, ignore_errors=True)
         steps = committed_steps(self.root)
         if cfg.load_step >= 0:
@@ -328,18 +348,36 @@ class Checkpointer:
                 dist.all_gather_object(every, sorted(names))
                 names = set().union(*every)
             check_model_matches(Path(path), model_sd, names)
+            self._check_model_args(Path(path))
         if "optimizer" in states:
             check_optimizer_matches(Path(path), states["optimizer"].state_dict())
         # Parts raise a ValueError naming the rule (e.g. a DP degree that
         # cannot continue the data stream exactly) before any step runs.
         dcp.load(_asking_only_what_was_saved(Path(path), states), checkpoint_id=str(path))
 
+    def _check_model_args(self, path: Path) -> None:
+        """Every field of the model the checkpoint at `path` records against this run's (`check_model_args`):
+        one line refusing a difference, or naming one the recipe asked for. Checkpoints that record no model
+        (older ones) have had their tensors checked alone."""
+        expected = self.train_state.model_args
+        saved = saved_model_args(path) if expected is not None else None
+        if saved is not None:
+            self._say_overridden(check_model_args(saved, expected, f"checkpoint {path}",
+                                                  self.train_state.model_overrides), path)
+
+    def _say_overridden(self, changed: dict, path: str | os.PathLike) -> None:
+        if changed and self.rank == 0:
+            logger.warning(f"the model differs from the one {path} records in what the recipe sets ("
+                           + ", ".join(f"model.{k} {a} -> {b}" for k, (a, b) in changed.items())
+                           + "): the run's values apply")
+
     def restore_latest(self, exclude: Iterable[str] = ()) -> int | None:
-        """Load the parts not in `exclude` from the latest complete checkpoint
-        (after committing a save in flight). Returns its step, None if there is none."""
+        """Load the parts not in `exclude` from the latest intact checkpoint
+        (after committing a save in flight); a damaged one is moved aside with
+        one line, as at resume. Returns its step, None if there is none."""
         self.wait()
         barrier()
-        step = latest_step(self.root)
+        step = self._latest_intact(committed_steps(self.root))
         if step is not None:
             self.load_from(step_folder(self.root, step), [k for k in self.states if k not in exclude])
         return step
@@ -350,7 +388,8 @@ class Checkpointer:
             return 0
         fmt = checkpoint_format(path)
         if fmt == "hf":
-            load_hf_into_model(self.model.model_parts, path, self.train_state.model_args)
+            self._say_overridden(load_hf_into_model(self.model.model_parts, path, self.train_state.model_args,
+                                                    self.train_state.model_overrides), path)
         elif fmt == "meta":
             load_meta_into_model(self.model.model_parts, path, self.train_state.model_args)
         else:
@@ -455,10 +494,39 @@ class Checkpointer:
     def _save_failed(self, step: int, err: CheckpointException) -> None:
         """A full disk on any rank: one line, the partial folder removed, and
         training goes on (the next save retries); the final step's save
-        re-raises. Any other failure propagates as it is."""
-        if not all(isinstance(exc, OSError) and exc.errno == errno.ENOSPC for exc, _ in err.failures.values()):
+        re-raises. A full disk is an OSError ENOSPC on every failing rank, or,
+        whatever layer reported the failure (torch's zip writer says
+        `unexpected pos`), less free space on the target than a checkpoint
+        takes. Any other failure propagates as it is."""
+        failures = [exc for exc, _ in err.failures.values()]
+        if all(isinstance(exc, OSError) and exc.errno == errno.ENOSPC for exc in failures):
+            self._disk_full(step, f"ranks {sorted(err.failures)}", err)
+            return
+        short = self._short_of_space(step)  # each rank its own look (no collective: an async save's failure
+        # reaches the ranks at different steps); ranks that disagree fail as before
+        if short is None:
             raise err
-        self._disk_full(step, f"ranks {sorted(err.failures)}", err)
+        first = failures[0] if failures else err
+        self._disk_full(step, f"{short}; {type(first).__name__} on ranks {sorted(err.failures)}: "
+                              f"{str(first).splitlines()[0] if str(first) else ''}", err)
+
+    def _short_of_space(self, step: int) -> str | None:
+        """Why the checkpoint folder's file system is full (`N MiB free in <root>, a checkpoint takes about M
+        MiB`), else None: its free space is below the size of a checkpoint (the latest complete one's files,
+        else the failed save's part written so far, with this rank's state's bytes times the world size at
+        least)."""
+        free = shutil.disk_usage(next(p for p in (self.root, *self.root.parents) if p.exists())).free
+        latest = latest_step(self.root)
+        folder = step_folder(self.root, latest) if latest is not None else self.root / f"step-{step}.tmp"
+        try:
+            need = sum(f.stat().st_size for f in folder.iterdir() if f.is_file())
+        except FileNotFoundError:  # gone (rank 0 removes a failed save's folder) or never made on this node
+            need = 0
+        if latest is None:
+            need = max(need, _state_bytes(self.states) * (dist.get_world_size() if dist.is_initialized() else 1))
+        if free >= need:
+            return None
+        return f"{_size(free)} free in {self.root}, a checkpoint takes about {_size(need)}"
 
     def _disk_full(self, step: int, who: str, err: Exception) -> None:
         """Step `step`'s save failed for a full disk (`err`): one line from rank
@@ -489,9 +557,11 @@ class Checkpointer:
         try:
             (tmp / MANIFEST).write_text(json.dumps({"step": step, "files": files}, indent=1))
         except OSError as e:
-            if e.errno != errno.ENOSPC:
+            short = None if e.errno == errno.ENOSPC else self._short_of_space(step)
+            if e.errno != errno.ENOSPC and short is None:
                 raise
-            self._disk_full(step, f"rank 0 writing {MANIFEST}", e)
+            self._disk_full(step, f"{short}; {type(e).__name__} on rank 0 writing {MANIFEST}: {e}" if short
+                            else f"rank 0 writing {MANIFEST}", e)
             return
         if final.exists():  # re-saving a step after load_step went back in time
             shutil.rmtree(final)
@@ -501,13 +571,23 @@ class Checkpointer:
     def _apply_retention(self, committed: int) -> None:
         """Keep the newest keep_latest_k complete checkpoints, those whose step
         is a multiple of keep_every, and the one just committed (older than
-        others after load_step went back in time), so never the only one."""
+        others after load_step went back in time), so never the only one.
+        Older `step-N` folders go too, complete or not: one a killed
+        retention left half-deleted (an older trainlib deleted in place) lacks
+        its `.metadata` and would stay for good. A folder is renamed to
+        `step-N.deleting` before its files are deleted, so a kill midway
+        leaves a name the next load or retention removes, never a `step-N`."""
         k, every = self.cfg.keep_latest_k, self.cfg.keep_every
         if not k:
             return
-        for old in complete_steps(self.root)[:-k]:
-            if old != committed and not (every and old % every == 0):
-                shutil.rmtree(step_folder(self.root, old), ignore_errors=True)
+        for p in deleting_folders(self.root):
+            shutil.rmtree(p, ignore_errors=True)
+        newest = complete_steps(self.root)[-k:]
+        for old in committed_steps(self.root):
+            if old < min(newest, default=committed) and old != committed and not (every and old % every == 0):
+                doomed = self.root / f"step-{old}.deleting"
+                os.replace(step_folder(self.root, old), doomed)
+                shutil.rmtree(doomed, ignore_errors=True)
 
     def export_hf(self, out_dir: str | os.PathLike) -> None:
         """Write the latest complete checkpoint as HF safetensors. Rank 0 reads
@@ -542,6 +622,35 @@ class Checkpointer:
                 f"checkpoint of step {step} refused: {n.item()} tensors hold NaN or Inf"
                 + (f" (this rank: {', '.join(bad[:3])}{', ...' if len(bad) > 3 else ''})" if bad else "")
                 + f"; the latest complete checkpoint stays {'step ' + str(latest) if latest is not None else 'none'}")
+
+
+def _state_bytes(states: dict[str, Stateful]) -> int:
+    """The bytes of this rank's tensors (a shard's local part) in every part's state dict."""
+    total = 0
+
+    def walk(value: Any) -> None:
+        nonlocal total
+        if isinstance(value, dict):
+            for v in value.values():
+                walk(v)
+        elif isinstance(value, (list, tuple)):
+            for v in value:
+                walk(v)
+        elif isinstance(value, torch.Tensor):
+            local = value.to_local() if hasattr(value, "to_local") else value
+            total += local.numel() * local.element_size()
+
+    for part in states.values():
+        walk(part.state_dict())
+    return total
+
+
+def _size(n: int) -> str:
+    for unit in ("bytes", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} bytes" if unit == "bytes" else f"{n:.1f} {unit}"
+        n /= 1024
+    return ""
 
 
 @contextlib.contextmanager

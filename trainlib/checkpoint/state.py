@@ -17,6 +17,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.checkpoint.stateful import Stateful
 from torch.distributed.tensor import DTensor
@@ -129,8 +130,8 @@ class TrainState:
 
     `model_name` (the family, `model.name`) and `model_args` (its shape
     dataclass) are saved too, so that `python -m trainlib.convert dcp-to-hf`
-    can rebuild the model from the checkpoint alone; loading ignores them (the
-    run's own shape is checked against the saved tensors instead).
+    can rebuild the model from the checkpoint alone; a load compares every
+    field with the run's (`Checkpointer.load_from`) and takes the run's.
     `tokens_per_step` is this run's global batch x sequence length and is not
     saved: a resumed run may change it."""
 
@@ -142,8 +143,14 @@ class TrainState:
     # The settings the learning-rate schedule follows (optimizer.lr, lr_scheduler.*, training.steps): a
     # resume that changes them says so in one line (they take effect from the resumed step on).
     schedule: dict | None = None
+    # An MoE model's `[moe]` settings (load balance, capacity, loss weights), by recipe key: a resume that
+    # changes them says so in one line too. None for a dense model.
+    moe: dict | None = None
+    # The model_args fields the run's recipe sets explicitly (model.n_layers, model.vocab_size): a checkpoint
+    # whose model differs in those alone loads, and the start-up line names the change. Not saved.
+    model_overrides: tuple[str, ...] = ()
     # Keys older checkpoints lack (trainlib.checkpoint.manager asks a load only for those it has).
-    optional_keys = ("model_name", "schedule")
+    optional_keys = ("model_name", "schedule", "moe")
 
     def advance(self, step: int) -> None:
         self.step = step
@@ -159,19 +166,34 @@ class TrainState:
             sd["model_name"] = self.model_name
         if self.schedule is not None:
             sd["schedule"] = json.dumps(self.schedule, sort_keys=True)
+        if self.moe is not None:
+            sd["moe"] = json.dumps(self.moe, sort_keys=True)
         return sd
 
     def load_state_dict(self, sd: dict[str, Any]) -> None:
         self.step, self.tokens_seen = int(sd["step"]), int(sd["tokens_seen"])
-        saved = json.loads(sd["schedule"]) if isinstance(sd.get("schedule"), str) else None
-        if saved is not None and self.schedule is not None and saved != self.schedule:
-            changed = ", ".join(f"{k} {saved.get(k)} -> {self.schedule.get(k)}"
-                                for k in sorted(set(saved) | set(self.schedule)) if saved.get(k) != self.schedule.get(k))
+        said = not dist.is_initialized() or dist.get_rank() == 0  # every rank loads alike: one line, rank 0's
+        changed = _changes(sd.get("schedule"), self.schedule) if said else ""
+        if changed:
             logger.warning(f"resumed at step {self.step} with other schedule settings than the checkpoint's run "
                            f"({changed}): the learning rate from step {self.step + 1} on follows the new ones")
+        changed = _changes(sd.get("moe"), self.moe) if said else ""
+        if changed:
+            logger.warning(f"resumed at step {self.step} with other [moe] settings than the checkpoint's run "
+                           f"({changed}): they apply from step {self.step + 1} on")
         torch.set_rng_state(sd["rng"]["cpu"])
         if "cuda" in sd["rng"] and torch.cuda.is_available():
             torch.cuda.set_rng_state(sd["rng"]["cuda"])
+
+
+def _changes(saved: Any, now: dict | None) -> str:
+    """`key old -> new, ...` for the settings `now` that differ from `saved` (a JSON string a checkpoint
+    recorded); empty when they agree or either side has none."""
+    if not isinstance(saved, str) or now is None:
+        return ""
+    saved = json.loads(saved)
+    return ", ".join(f"{k} {saved.get(k)} -> {now.get(k)}" for k in sorted(set(saved) | set(now))
+                     if saved.get(k) != now.get(k))
 
 
 def nonfinite_entries(states: dict[str, Stateful]) -> list[str]:

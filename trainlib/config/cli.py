@@ -20,7 +20,22 @@ from collections.abc import Sequence
 
 from trainlib.config.loader import ConfigError, parse_overrides
 
-__all__ = ["RecipeArgumentParser"]
+__all__ = ["RecipeArgumentParser", "print_to_reader"]
+
+
+def print_to_reader(text: str) -> None:
+    """Print `text` to stdout, quietly when the reader stops early (`--help | head`): a closed pipe is
+    not an error of this command. stdout then points at /dev/null, so that the interpreter's last flush
+    does not raise again."""
+    import os
+    import sys
+
+    try:
+        print(text, flush=True)
+    except BrokenPipeError:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
 
 
 class RecipeArgumentParser(argparse.ArgumentParser):
@@ -39,7 +54,7 @@ class RecipeArgumentParser(argparse.ArgumentParser):
         """Print the help and return True when `argv` asks for it: the mains
         return 0 themselves instead of argparse's SystemExit."""
         if "-h" in argv or "--help" in argv:
-            print(self.format_help())
+            print_to_reader(self.format_help())
             return True
         return False
 

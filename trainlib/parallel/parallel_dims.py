@@ -85,7 +85,8 @@ class ParallelDims:
             raise ConfigError(
                 f"parallelism.ep ({self.ep}) must divide dp_shard({self.dp_shard}) * cp({self.cp}) * tp({self.tp}) = "
                 f"{span}: expert parallel borrows its ranks from those axes (efsdp = {span} / ep shards the experts "
-                f"over the rest); pick ep among {', '.join(str(d) for d in range(1, span + 1) if span % d == 0)}")
+                f"over the rest); pick ep among {', '.join(str(d) for d in range(1, span + 1) if span % d == 0)} "
+                f"that also divides the model's number of experts")
 
     @classmethod
     def from_config(cls, parallelism, world_size: int) -> "ParallelDims":

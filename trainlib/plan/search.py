@@ -46,7 +46,9 @@ def layouts(world_size: int, kv_heads: int, n_layers: int, gpus_per_node: int, n
                         if cp > 1:
                             layout += [f"parallelism.cp_method={method}"]
                             layout += [f"parallelism.cp_ulysses={inner}"] if inner else []
-                        yield layout, schedule
+                        # an MoE model's layout names its ep, 1 included: left out, the recipe's own ep would
+                        # make it the same layout as one of the ep rows below
+                        yield [*layout, "parallelism.ep=1"] if n_experts else layout, schedule
                         for ep in [e for e in _divisors(n_experts) if 1 < e <= gpus_per_node and span % e == 0]:
                             yield [*layout, f"parallelism.ep={ep}"], schedule
 

@@ -49,9 +49,12 @@ def validate_degrees(args, degrees: Mapping[str, int], seq_len: int) -> None:
             raise ConfigError(f"training.seq_len ({seq_len}) must be divisible by parallelism.tp ({tp}): the MoE "
                               f"blocks route each rank's 1/tp of the sequence; choose tp dividing {seq_len}")
     if args.moe.n_experts % ep:
-        raise ConfigError(f"parallelism.ep ({ep}) must divide the number of experts ({args.moe.n_experts}): each EP "
-                          f"rank holds n_experts / ep of them; pick ep among "
-                          f"{', '.join(str(d) for d in range(1, args.moe.n_experts + 1) if args.moe.n_experts % d == 0)}")
+        # the hint satisfies ParallelDims' rule too: ep divides dp_shard * cp * tp, whose ranks it borrows
+        n, span = args.moe.n_experts, degrees.get("dp_shard", 1) * degrees.get("cp", 1) * tp
+        both = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and span % d == 0)
+        raise ConfigError(f"parallelism.ep ({ep}) must divide the number of experts ({n}): each EP rank holds "
+                          f"n_experts / ep of them; pick ep among {both} (dividing both {n} and dp_shard * cp * tp "
+                          f"= {span})")
     if args.tie_embeddings and pp > 1:
         raise ConfigError(
             f"this Qwen3-MoE flavor ties the embedding and output weights, which live on the first and last "
