@@ -61,8 +61,8 @@ def test_a_skipped_step_leaves_every_moe_buffer_and_weight_as_it_was(tmp_path, m
     def snapshot():
         states.append({k: v.detach().clone() for k, v in models[0].state_dict().items()})
 
-    def build_with_a_probe(cfg, dims, device):
-        built = build(cfg, dims, device)
+    def build_with_a_probe(cfg, dims, device, resolved=None):
+        built = build(cfg, dims, device, resolved)
         models.extend(built.parts)
         built.runner.add_after_optimizer_step(lambda: len(states) == 3 and snapshot())  # after step 3's update
         return built

@@ -323,7 +323,17 @@ def check_hf_weights(spec: ModelSpec, args: Any, shapes: dict[str, list[int]], f
         raise ConfigError(f"{where} lacks {len(missing)} tensor(s) config.json's model has ({', '.join(missing[:3])}"
                           f"{', ...' if len(missing) > 3 else ''}): an incomplete download or copy, or a config.json "
                           f"that does not describe these weights")
+    # Further copies of a model weight the family's folders hold (the hub's DeepSeek-style MTP layers keep the
+    # embedding and output head again), needed by no import; a float8 weight's block scales
+    copies = getattr(adapter, "hf_weight_copies", None)
+    copy_shapes = {hf: ours[name] for name, hfs in (copies(args).items() if copies else ()) if name in ours
+                   for hf in hfs}
+
     def explained(hf: str) -> bool:  # e.g. a tied model's lm_head, which some exports keep: a weight of the model
+        if hf in copy_shapes:
+            return list(shapes[hf]) == copy_shapes[hf]
+        if hf.endswith("_scale_inv") and hf.removesuffix("_scale_inv") in expected:
+            return True
         return any(isinstance(theirs, str) and name in ours and list(shapes[hf]) == ours[name]
                    for name, theirs in adapter.hf_weight_names([hf], args).items())
 

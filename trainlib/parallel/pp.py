@@ -129,6 +129,9 @@ def last_stage_copies(model: nn.Module) -> tuple[str, ...]:
     return tuple(names()) if names is not None else ()
 
 
+_INFERRING: list[bool] = []  # set while a stage infers its backward metadata (it runs the loss once, not training)
+
+
 @functools.cache
 def _stage_class() -> type:
     from torch.distributed.pipelining import PipelineStage
@@ -141,6 +144,14 @@ def _stage_class() -> type:
         def _forward_metadata_inference(self, *args, **kwargs):
             with uncounted():
                 return super()._forward_metadata_inference(*args, **kwargs)
+
+        def _backward_metadata_inference(self, *args, **kwargs):
+            # the last stage runs the loss on the inference outputs: not a micro-batch's (Pipeline.loss_fn)
+            _INFERRING.append(True)
+            try:
+                return super()._backward_metadata_inference(*args, **kwargs)
+            finally:
+                _INFERRING.pop()
 
     return _Stage
 
@@ -180,7 +191,7 @@ class Pipeline:
         if self.objective is None:
             return self.criterion(output, target) / self._n_targets
         loss, terms = self.objective(output, _unpack_targets(target, self._layout), self.criterion)
-        for name, term in terms.items():
+        for name, term in terms.items() if not _INFERRING else ():
             self._terms[name] = self._terms.get(name, 0) + term.detach() / self._n_targets
         return loss / self._n_targets
 
