@@ -853,3 +853,49 @@ def test_suggest_lists_each_layout_once_when_the_recipe_sets_ep():
     keys = [tuple(r.get(k) for k in ("tp", "pp", "cp", "cp_method", "cp_ulysses", "dp_replicate", "dp_shard", "ep",
                                      "ac")) for r in rows]
     assert len(keys) == len(set(keys)) and {r.get("ep", 1) for r in rows} == {1, 2}
+
+
+class _FlashLike(torch.autograd.Function):
+    """What a flash kernel keeps for backward: q, k, v, its output (in [b, s, heads, width] memory, so the output
+    projection's reshape is a view) and the fp32 logsumexp. CPU attention with a v narrower than q and k runs the
+    math path, which keeps the scores; the planner prices the GPU's flash kernel."""
+
+    @staticmethod
+    def forward(ctx, q, k, v):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        out = out.transpose(1, 2).contiguous().transpose(1, 2)
+        ctx.save_for_backward(q, k, v, out, q.new_empty(q.shape[:3], dtype=torch.float32))
+        return out
+
+
+@pytest.mark.parametrize("q_lora_rank", [0, 32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_activation_estimate_equals_saved_tensors(q_lora_rank, dtype):
+    """MLA blocks (DeepSeek-V3's debug shape, q-LoRA on and off): the planner's bytes per token against what
+    autograd saves in one forward of the dense block and the MoE block, with a flash-like kernel. Left out, as
+    for the other families: in bf16 the norms' fp32 weight copies (attention, ffn, q and kv latents) and the
+    router's fp32 weight; the grouped matmul's offsets (E int32)."""
+    from trainlib.models.deepseek_v3 import Transformer as DeepSeek
+    from trainlib.models.deepseek_v3 import block_shapes
+    from trainlib.models.deepseek_v3 import get_model_args as deepseek_args
+
+    args = deepseek_args("debug", q_lora_rank=q_lora_rank, n_layers=2)
+    model = DeepSeek(args, rope_len=64).to(dtype)
+    elem, tokens = torch.finfo(dtype).bits // 8, 2 * 64
+    for i, block in model.layers.items():
+        block.attention.sdpa = lambda q, k, v, mask=None, *, scale=None: _FlashLike.apply(q, k, v)
+        seen = {}
+
+        def pack(t):
+            seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+            return t
+
+        skip = {p.untyped_storage().data_ptr() for p in block.parameters()} | {model.rope.untyped_storage().data_ptr()}
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            block(torch.randn(2, 64, args.dim, dtype=dtype, requires_grad=True), model.rope)
+        measured = sum(v for k, v in seen.items() if k not in skip)
+        est = tokens * block_activation_bytes_per_token(block_shapes(args)[int(i)], tp=1, sp=False, elem=elem,
+                                                        mode="none")
+        norms = 4 * (2 * args.dim + args.kv_lora_rank + args.q_lora_rank) if dtype == torch.bfloat16 else 0
+        moe = 4 * args.moe.n_experts + (4 * args.dim * args.moe.n_experts if dtype == torch.bfloat16 else 0)
+        assert measured - est == norms + (moe if i != "0" else 0), (i, measured, est)

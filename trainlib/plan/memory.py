@@ -77,22 +77,48 @@ def block_activation_bytes_per_token(shape, *, tp: int, sp: bool, elem: int, mod
     plus the matmul outputs (all, or wq/wv/w1/w2 for every_other_mm), the SDPA
     outputs and, under SP, the reduce-scatter outputs."""
     d, f, hd = shape.dim, shape.ffn_dim, shape.head_dim
+    vd = getattr(shape, "v_dim", hd)  # (a dense family's args serve as its shape: no v_dim, one width)
     dq, dkv = shape.n_heads * hd / tp, shape.n_kv_heads * hd / tp
     ts = tp if sp else 1
     block_in = elem * d / ts
-    sdpa = elem * dq + 4 * shape.n_heads / tp
+    sdpa = elem * shape.n_heads * vd / tp + 4 * shape.n_heads / tp  # the kernel's output and logsumexp
+    mla = getattr(shape, "kv_lora_rank", 0)
     if mode == "full":
         return block_in
     if mode == "selective_op":
         mm = [dq, dkv, dkv, d, f / tp, f / tp, d]  # wq wk wv wo w1 w3 w2 outputs (wo/w2: partial sums, whole seq)
+        if mla:  # wq_a wq_b (or wq), wkv_a wkv_b, wo, w1 w3 w2
+            mm = [shape.q_lora_rank, dq, mla + shape.rope_head_dim, shape.n_heads * (hd - shape.rope_head_dim + vd) / tp,
+                  d, f / tp, f / tp, d]
         if policy == "every_other_mm":
-            mm = [dq, dkv, f / tp, d]  # wq wv w1 w2
+            mm = mm[::2]
         rs = 2 * elem * d / ts if (sp and tp > 1) else 0
         return block_in + elem * sum(mm) + sdpa + rs
     norms = 2 * (8 * d + 4) / ts
-    if getattr(shape, "moe", None) is not None:  # (a dense family's args serve as its shape) the MoE routes this rank's 1/tp of the tokens (trainlib.parallel.tp.moe_style)
-        return norms + elem * d + elem * (dq + 2 * dkv) + sdpa + moe_activation_bytes_per_token(shape, elem) / tp
-    return norms + 2 * elem * d + elem * (dq + 2 * dkv) + sdpa + 4 * elem * f / tp
+    attention = mla_attention_bytes_per_token(shape, tp, elem) if mla else elem * (dq + dkv) + elem * \
+        shape.n_kv_heads * vd / tp + sdpa
+    if getattr(shape, "moe", None) is not None:  # the MoE routes this rank's 1/tp of the tokens (trainlib.parallel.tp.moe_style)
+        return norms + elem * d + attention + moe_activation_bytes_per_token(shape, elem) / tp
+    return norms + 2 * elem * d + attention + 4 * elem * f / tp
+
+
+def mla_attention_bytes_per_token(shape, tp: int, elem: int) -> float:
+    """What MLA attention (BlockShape with kv_lora_rank > 0) keeps for backward per token besides its input
+    (the norm's output the block formula counts), measured with saved-tensor hooks on DeepSeek-V3's module with
+    a flash-like kernel (q, k, v, the output and the logsumexp; tests/unit/test_plan.py):
+      q latent    wq_a's output in fp32 (q_norm's input), its normalized copy and rstd, and q_norm's output
+                  (wq_b's input): 8 * q_lora + 4 + elem * q_lora (none without q-LoRA)
+      kv latent   kv_norm's fp32 input (in fp32 the whole wkv_a output, rope key included), its normalized
+                  copy and rstd, and its output (wkv_b's input)
+      kernel      q and k (h x head_dim each), wkv_b's whole output (h x (nope + v): v is a view of it), the
+                  output (h x v) and the fp32 logsumexp; the heads split over tp, the latents whole on every rank
+    The RoPE of the rope parts keeps nothing but the table."""
+    h, hd, vd, r = shape.n_heads, shape.head_dim, shape.v_dim, shape.rope_head_dim
+    lq, lkv = shape.q_lora_rank, shape.kv_lora_rank
+    q_latent = 8 * lq + 4 + elem * lq if lq else 0
+    kv_latent = (4 * (lkv + r) if elem == 4 else 4 * lkv) + 4 * lkv + 4 + elem * lkv
+    kernel = elem * h * (2 * hd + (hd - r + vd) + vd) / tp + 4 * h / tp
+    return q_latent + kv_latent + kernel
 
 
 def moe_activation_bytes_per_token(shape, elem: int) -> float:
