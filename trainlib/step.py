@@ -31,6 +31,7 @@ from trainlib.models.moe import MoE, aux_loss_scale, moe_layers
 from trainlib.parallel.cp import local_micro_batches
 from trainlib.parallel.parallel_dims import ParallelDims
 from trainlib.parallel.pp import Pipeline
+from trainlib.parallel.replica import ReplicaAxis
 from trainlib.parallel.tp import loss_context
 
 
@@ -49,6 +50,8 @@ class StepRunner:
     loss_parallel: bool = True  # parallelism.tp_loss_parallel (under TP: the loss runs on vocab shards)
     # the whole model's MoE blocks, layer index -> n_experts (every pipeline stage's runner holds all of them)
     moe_experts: dict[int, int] = field(default_factory=dict)
+    # [fault_tolerance]: torchft's replica axis (trainlib.parallel.replica); None: this world is the whole job
+    replica: ReplicaAxis | None = None
     _after_step: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _moe: dict[int, MoE] = field(default_factory=dict, repr=False)  # this rank's MoE blocks by layer index
     _moe_counts: torch.Tensor | None = field(default=None, repr=False)  # the last step's global counts
@@ -64,10 +67,24 @@ class StepRunner:
         return local_micro_batches(micro_batches, cp_mesh, self.cp_load_balance, self.document_mask, self.device,
                                    self.cp_ulysses)
 
+    def begin_step(self, step: int) -> int:
+        """The number of the step to run after `step`: step + 1; with fault tolerance, after the step's quorum
+        (which heals a group that is behind), the one after the last committed step."""
+        return step + 1 if self.replica is None else self.replica.begin_step(step)
+
+    def should_commit(self) -> bool:
+        """Whether the optimizer may step (with the guard's verdict): always, except with fault tolerance when
+        a replica group failed in this step; then its gradients are dropped and the step runs again."""
+        return self.replica is None or self.replica.should_commit()
+
     def forward_backward(self, micro_batches: list[dict], n_targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Forward and backward over one step's micro-batches, each loss divided by `n_targets` (the global
         batch's target tokens); returns (this rank's share of the global mean loss: summing it over dp_cp,
-        and pp, gives the loss; the auxiliary dict)."""
+        and pp, gives the loss; the auxiliary dict). With fault tolerance `n_targets` (this group's count) is
+        first summed over the live replica groups (in place), and the gradients, the loss share and the MoE
+        statistics after the backward."""
+        if self.replica is not None:
+            self.replica.all_reduce_sum([n_targets])
         micro_batches = self.local(micro_batches)
         for block in self._moe.values():  # what an evaluation routed since the last step is not this step's
             block.take_stats()
@@ -85,7 +102,12 @@ class StepRunner:
                     del out  # free the largest activation before backward allocates
                     loss.backward()
                     loss_sum += loss.detach()
-        return loss_sum, self._moe_aux()
+        aux = self._moe_aux()
+        if self.replica is not None:
+            stats = [aux["moe_stats"]] if "moe_stats" in aux else []
+            self.replica.all_reduce_sum(self.replica.gradients() + [loss_sum] + stats)
+            aux["ft"] = self.replica
+        return loss_sum, aux
 
     def _take_moe_stats(self) -> torch.Tensor | None:
         """Every MoE layer's routing statistics since the last call, as one [n_layers, E + N_STATS] tensor
@@ -100,10 +122,12 @@ class StepRunner:
             row = m.take_stats()
             stats[i, :m.args.n_experts], stats[i, -MoE.N_STATS:] = row[:-MoE.N_STATS], row[-MoE.N_STATS:]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            # one all-reduce over every rank: pipeline stages hold disjoint layers (zero rows elsewhere),
-            # data, context and tensor-parallel ranks route disjoint tokens (TP splits them, parallel.tp.moe_style)
+            # summed over every rank of this world, mesh by mesh (pp x dp_cp x tp is the world; a size-1 one is a
+            # no-op): pipeline stages hold disjoint layers (zero rows elsewhere), data, context and tensor-parallel
+            # ranks route disjoint tokens (TP splits them, parallel.tp.moe_style)
             stats = stats.reshape(-1).contiguous()
-            dist.all_reduce(stats)
+            for name in ("dp_cp", "tp", "pp"):
+                dist.all_reduce(stats, group=self.dims.mesh(name).get_group())
             stats = stats.view(n_layers, width)
         return stats
 
@@ -157,8 +181,9 @@ def aux_fields(aux: dict) -> dict:
     `moe_z_loss` (the terms added to the objective, summed over layers), and per MoE layer (keyed by layer
     index) `moe_load_imbalance` (max tokens per expert / mean) and `moe_dropped_tokens` (assignments over
     capacity)."""
+    fields = aux["ft"].take_fields() if "ft" in aux else {}  # fault tolerance: ft_participants, ft_quorum_ms, ft_heal_s
     if "moe_stats" not in aux:
-        return {}
+        return fields
     stats, experts = aux["moe_stats"].double().cpu(), aux["moe_experts"]
     n_counts = stats.shape[1] - MoE.N_STATS
     imbalance, dropped = {}, {}
@@ -168,5 +193,5 @@ def aux_fields(aux: dict) -> dict:
         dropped[str(i)] = int(round(float(stats[i, n_counts])))
     # the columns after the counts: dropped, assigned, seq aux, z-loss, global aux (MoE.take_stats)
     seq_aux, z_loss, global_aux = (float(stats[:, n_counts + j].sum()) for j in (2, 3, 4))
-    return {"moe_aux_loss": seq_aux, "moe_z_loss": z_loss, "moe_global_aux_loss": global_aux,
+    return {**fields, "moe_aux_loss": seq_aux, "moe_z_loss": z_loss, "moe_global_aux_loss": global_aux,
             "moe_load_imbalance": imbalance, "moe_dropped_tokens": dropped}
