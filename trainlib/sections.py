@@ -341,4 +341,5 @@ class FaultToleranceConfig:
             raise ConfigError(
                 f"fault_tolerance timeouts must grow connect ({self.connect_timeout_seconds}) <= process_group "
                 f"({self.process_group_timeout_seconds}) < quorum ({self.quorum_timeout_seconds}) seconds: a step "
-                f"waiting for a quorum must outlast a failed cross-group collective; raise quorum_timeout_seconds")
+                f"waiting for a quorum must outlast a failed cross-group collective, which outlasts a connection "
+                f"attempt; raise the later ones or lower the earlier ones")
