@@ -41,7 +41,7 @@ def lighthouse():
 
 
 class Group:
-    """One replica group's job (its own session, so that a signal reaches torchrun and every worker)."""
+    """One replica group's job, in a session of its own."""
 
     def __init__(self, folder: Path, group: int, lighthouse: str, steps: int, nproc: int = 1, extra=(), tag="",
                  groups: int = 2, env=None):
@@ -78,7 +78,24 @@ class Group:
             time.sleep(0.05)
 
     def signal(self, sig) -> None:
-        os.killpg(self.proc.pid, sig)
+        """`sig` to the job and every process below it (torchrun starts its workers in sessions of their own)."""
+        children: dict[int, list[int]] = {}
+        for entry in filter(str.isdigit, os.listdir("/proc")):
+            try:
+                with open(f"/proc/{entry}/stat") as f:
+                    children.setdefault(int(f.read().rsplit(")", 1)[1].split()[1]), []).append(int(entry))
+            except (OSError, IndexError, ValueError):  # gone meanwhile
+                continue
+        tree, todo = [], [self.proc.pid]
+        while todo:
+            pid = todo.pop()
+            tree.append(pid)
+            todo += children.get(pid, [])
+        for pid in tree:
+            try:
+                os.kill(pid, sig)
+            except ProcessLookupError:
+                pass
 
     def wait(self, timeout: float = 300) -> None:
         try:
@@ -125,11 +142,12 @@ def _flat(tree, prefix="") -> dict:
     return {prefix: tree}
 
 
-def kill_and_heal(tmp: Path, lighthouse: str, steps: int, kill_at: int, nproc: int, extra=()):
+def kill_and_heal(tmp: Path, lighthouse: str, steps: int, kill_at: int, nproc: int, extra=(), lone_sleep=0.2):
     """Two groups; every rank of group 1 SIGKILLs itself once step `kill_at` is done (tests/faults), and the
     group is relaunched at once; both run to the end. Returns (survivor, relaunched group, seconds from the
     kill to the survivor's next logged step)."""
-    survivor = Group(tmp, 0, lighthouse, steps, nproc, extra)
+    slow = {"TRAINLIB_TEST_LONE_SLEEP": str(lone_sleep)}
+    survivor = Group(tmp, 0, lighthouse, steps, nproc, extra, env=slow)
     victim = Group(tmp, 1, lighthouse, steps, nproc, extra, env=fault_env(tmp / "faults", f"after_step:{kill_at}:*:KILL"))
     try:
         victim.proc.wait(timeout=240)
@@ -137,7 +155,7 @@ def kill_and_heal(tmp: Path, lighthouse: str, steps: int, kill_at: int, nproc: i
         assert max(victim.steps()) == kill_at
         last_before = max(survivor.steps(), default=0)
         pid = survivor.proc.pid
-        relaunched = Group(tmp, 1, lighthouse, steps, nproc, extra, tag="-relaunched")
+        relaunched = Group(tmp, 1, lighthouse, steps, nproc, extra, tag="-relaunched", env=slow)
         survivor.wait_step(last_before + 1)
         to_next_step = time.monotonic() - killed_at
         relaunched.wait()
@@ -188,3 +206,101 @@ def test_lone_group_step_sees_its_half(tmp_path, lighthouse):
     read = lambda p: [json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines()][0]["loss"]
     assert rec["loss"] == read(tmp_path / "half")
     assert rec["loss"] != read(tmp_path / "whole")
+
+
+# ---- 2 groups x FSDP2 over 2 ranks (4 processes): slow --------------------------------------------------------
+FSDP = ["--parallelism.dp_shard=2"]
+STEPS = 80
+# After the kill the curve leaves the clean one, for two reasons with two bounds. (1) A one-group step's loss
+# is the mean over that group's half of the batch, not over the whole: another sample, so it differs by the
+# half batch's sampling spread even before the weights have drifted (measured: mean 1.5 %, max 6.5 % over 29
+# such steps, 8 x 128-token batches). (2) Once both groups train again the loss is over the whole batch again
+# and differs only by the weights' drift from the half-batch updates (measured: at most 1.2 %, shrinking).
+# Measured with the debug recipe, lr 3e-3, 80 steps, kill at 10, heal at step 39 (tests below, -s prints it).
+LONE_RTOL, HEALED_RTOL = 0.10, 0.02
+
+
+def clean_run(tmp: Path, lighthouse: str, steps: int, extra=()) -> list[dict[int, float]]:
+    groups = [Group(tmp, g, lighthouse, steps, 2, [*FSDP, *extra]) for g in range(2)]
+    for g in groups:
+        g.wait()
+    return [losses(g) for g in groups]
+
+
+@pytest.mark.slow
+def test_kill_and_heal_fsdp(tmp_path, lighthouse):
+    """The issue's run: group 1's ranks SIGKILLed at step 10, relaunched. The survivor's processes never
+    restart and never read a checkpoint (checkpoints are off); the relaunched group heals and trains the next
+    step; from then on both groups' parameter and AdamW shards are bitwise equal on each rank. Against a clean
+    run of the same command: bitwise equal up to the kill, within AFTER_KILL_RTOL after it."""
+    clean, _ = clean_run(tmp_path / "clean", lighthouse, STEPS)
+    survivor, healed, to_next = kill_and_heal(tmp_path / "kill", lighthouse, steps=STEPS, kill_at=10, nproc=2,
+                                              extra=FSDP, lone_sleep=0.5)
+    assert survivor.steps() == list(range(1, STEPS + 1))
+    (heal,) = healed.state(0)["heals"]
+    first = min(s for s in healed.steps() if s > 10)
+    assert first == heal["step"] + 1
+    for rank in (0, 1):
+        assert_same_state(survivor.state(rank), healed.state(rank))
+    a, b = losses(survivor), losses(healed)
+    assert all(a[s] == b[s] for s in b if s >= first)
+    assert all(a[s] == clean[s] for s in range(1, 11)), "not the clean curve before the kill"
+    gap = {s: abs(a[s] - clean[s]) / clean[s] for s in range(11, STEPS + 1)}
+    lone = [gap[s] for s in range(11, first)]
+    joint = [gap[s] for s in range(first, STEPS + 1)]
+    assert lone and max(lone) < LONE_RTOL, lone
+    assert max(joint) < HEALED_RTOL, joint
+    assert min(lone) > 0 and min(joint) > 0  # the half-batch steps did change the curve
+    print(f"kill -> survivor's next step {to_next:.2f} s; heal {heal['seconds']:.2f} s at step {heal['step']}; "
+          f"loss gap: {len(lone)} one-group steps max {max(lone):.4f} mean {sum(lone) / len(lone):.4f}, "
+          f"healed steps max {max(joint):.4f}")
+
+
+@pytest.mark.slow
+def test_stopped_group_is_dropped(tmp_path, lighthouse):
+    """A group that stops responding (SIGSTOP on its torchrun and workers) fails the step it is in after
+    process_group_timeout_seconds and is left out of the next quorum (the lighthouse's heartbeat timeout); the
+    other trains on, alone, to the end."""
+    survivor = Group(tmp_path, 0, lighthouse, 40, 2, FSDP)
+    stopped = Group(tmp_path, 1, lighthouse, 40, 2, FSDP)
+    try:
+        stopped.wait_step(5)
+        stopped.signal(signal.SIGSTOP)
+        t0, last = time.monotonic(), max(survivor.steps())
+        survivor.wait_step(last + 2)
+        waited = time.monotonic() - t0
+        survivor.wait()
+        assert survivor.steps() == list(range(1, 41))
+        alone = [r["step"] for r in survivor.records() if r["ft_participants"] == 1]
+        assert alone and alone[-1] == 40
+        assert waited < 5 + 20 + 10  # process_group + quorum timeouts, and two steps
+        print(f"SIGSTOP -> survivor two steps on in {waited:.2f} s")
+    finally:
+        stopped.signal(signal.SIGKILL)
+        stopped.kill()
+        survivor.kill()
+
+
+@pytest.mark.slow
+def test_both_groups_killed_resume_from_disk(tmp_path, lighthouse):
+    """Both groups killed after step 12: the relaunch reads the shared checkpoint of step 10, which the lowest
+    live group alone wrote, and trains on bitwise as the uninterrupted run does. min_replica_size = 2: a step
+    commits with both groups only, so neither trains ahead of the other while they start."""
+    ckpt = ["--checkpoint.enable=true", "--checkpoint.interval=5", "--fault_tolerance.min_replica_size=2"]
+    clean, _ = clean_run(tmp_path / "clean", lighthouse, 20, ckpt)
+    folder = tmp_path / "kill"
+    first = [Group(folder, g, lighthouse, 20, 2, [*FSDP, *ckpt],
+                   env=fault_env(folder / f"faults{g}", "after_step:12:*:KILL")) for g in range(2)]
+    for g in first:
+        g.proc.wait(timeout=300)
+        assert g.proc.returncode != 0
+    assert sorted(p.name for p in (folder / "checkpoint").iterdir() if p.name.startswith("step-")) == \
+        ["step-10", "step-5"]
+    assert "checkpoint step" not in first[1].log.read_text()  # group 1 never wrote one
+    second = [Group(folder, g, lighthouse, 20, 2, [*FSDP, *ckpt], tag="-again") for g in range(2)]
+    for g in second:
+        g.wait()
+    for g in second:
+        resumed = losses(g)
+        assert all(resumed[s] == clean[s] for s in range(11, 21)), [(resumed[s], clean[s]) for s in range(11, 21)]
+    assert_same_state(second[0].state(0), second[1].state(0))

@@ -16,8 +16,10 @@ through the runner):
   gradients with the loss and MoE statistics in one flat buffer). The loss is
   already divided by the live groups' target count, so the summed gradient
   is exactly the token mean over the live groups' batches;
-- `should_commit`: every rank of every group agrees the step succeeded; if not,
-  no update is made and the step number is run again on the next batch.
+- `should_commit`: every rank of the group agrees the step succeeded (no
+  failed collective, at least min_replica_size live groups); if not, no update
+  is made and the step runs again, on the same batch, after the next quorum (a
+  group whose peers committed it is healed from them there instead).
 
 A step with fewer live groups trains on their slices only (fewer tokens, not
 the same global batch by accumulation): docs/reliability.md.
@@ -116,6 +118,8 @@ class ReplicaAxis:
         self._healed = False
         self._pending_quorum = False  # setup's quorum serves the first step
         self._params: list[torch.Tensor] = []
+        self._begun = -1  # the step begun last, and the data loader's state before it (a failed step reruns it)
+        self._data_state: dict | None = None
 
     # ---- state a peer heals from ------------------------------------------------------------------
     def register(self, checkpointer, params: list[torch.Tensor]) -> None:
@@ -169,7 +173,15 @@ class ReplicaAxis:
             self._pending_quorum = False
         else:
             self._quorum()
-        return self.manager.current_step() + 1
+        to_run = self.manager.current_step() + 1
+        loader = self.states.get("dataloader")
+        if loader is not None:
+            if to_run == self._begun and not self._healed:  # the same step again: on the same batch
+                loader.load_state_dict(self._data_state)
+            else:
+                self._data_state = loader.state_dict()
+        self._begun = to_run
+        return to_run
 
     def all_reduce_sum(self, tensors: list[torch.Tensor]) -> None:
         """Sum `tensors` (in place) over this group rank's peers in the live groups, in one flat buffer per
@@ -195,8 +207,9 @@ class ReplicaAxis:
         return grads
 
     def should_commit(self) -> bool:
-        """Every rank of every live group ran the step without a failure, and enough groups took part. False:
-        the gradients are dropped, no update is made, and the step runs again after the next quorum."""
+        """Every rank of this group ran the step without a failure, and enough groups took part. False: the
+        gradients are dropped, no update is made, and the step runs again on the same batch after the next
+        quorum."""
         ok = self.manager.should_commit()
         if not ok:
             for p in self._params:
