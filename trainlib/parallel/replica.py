@@ -56,7 +56,7 @@ def check_lighthouse(address: str, connect_timeout_s: float) -> str | None:
         LighthouseClient(address, connect_timeout=timedelta(seconds=connect_timeout_s))
     except RuntimeError as e:  # torchft's Rust client raises RuntimeError for a failed connection
         return (f"no torchft lighthouse answers at {address} after fault_tolerance.connect_timeout_seconds = "
-                f"{connect_timeout_s:g} ({str(e).splitlines()[0][:120]}); start one (python -m trainlib.ft "
+                f"{connect_timeout_s:g} ({str(e).split(';')[0].strip()}); start one (python -m trainlib.ft "
                 f"lighthouse) and pass its address as fault_tolerance.lighthouse")
     return None
 
