@@ -45,7 +45,7 @@ class Group:
 
     def __init__(self, folder: Path, group: int, lighthouse: str, steps: int, nproc: int = 1, extra=(), tag="",
                  groups: int = 2, env=None):
-        self.folder, self.group = folder, group
+        self.folder, self.group, self.started = folder, group, time.time()
         args = group_args([*BASE, f"--job.dump_folder={folder}", f"--training.steps={steps}", *extra], groups,
                           group, lighthouse)
         run = ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={nproc}"] if nproc > 1 else []
@@ -251,7 +251,9 @@ def test_kill_and_heal_fsdp(tmp_path, lighthouse):
     assert lone and max(lone) < LONE_RTOL, lone
     assert max(joint) < HEALED_RTOL, joint
     assert min(lone) > 0 and min(joint) > 0  # the half-batch steps did change the curve
-    print(f"kill -> survivor's next step {to_next:.2f} s; heal {heal['seconds']:.2f} s at step {heal['step']}; "
+    first_done = [r["time"] for r in healed.records() if r["step"] == first][0]
+    print(f"kill -> survivor's next step {to_next:.2f} s; relaunch -> healed group's first step done "
+          f"{first_done - healed.started:.2f} s; heal {heal['seconds']:.2f} s at step {heal['step']}; "
           f"loss gap: {len(lone)} one-group steps max {max(lone):.4f} mean {sum(lone) / len(lone):.4f}, "
           f"healed steps max {max(joint):.4f}")
 
