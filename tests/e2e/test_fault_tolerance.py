@@ -275,6 +275,7 @@ def test_stopped_group_is_dropped(tmp_path, lighthouse):
         assert survivor.steps() == list(range(1, 41))
         alone = [r["step"] for r in survivor.records() if r["ft_participants"] == 1]
         assert alone and alone[-1] == 40
+        assert "not committed" in survivor.log.read_text()  # the step in flight failed and ran again
         assert waited < 5 + 20 + 10  # process_group + quorum timeouts, and two steps
         print(f"SIGSTOP -> survivor two steps on in {waited:.2f} s")
     finally:
