@@ -184,7 +184,8 @@ def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, tokenizer, lo
     if info.rank == 0:
         save_config(cfg, run_dir / "config.toml")
     # fault tolerance: torchft's replica axis (refuses an unreachable lighthouse before the build)
-    replica = build_replica_axis(cfg.fault_tolerance, dims, info.rank, info.world_size) if dims.replica_groups > 1 else None
+    replica = (build_replica_axis(cfg.fault_tolerance, dims, info.rank, info.world_size, info.device)
+               if dims.replica_groups > 1 else None)
 
     dp_rank, dp_world = dims.dp_coords()  # the data's refusals come before the memory check's, which may follow from them
     loader = build_dataloader(cfg.data, tokenizer, t.seq_len, local_bs, dp_rank, dp_world, t.seed)

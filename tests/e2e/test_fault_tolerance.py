@@ -21,7 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.helpers import REPO, fault_env, run_cli
+from tests.helpers import REPO, fault_env
+from trainlib.launch import train_command
 from trainlib.ft import group_args, start_lighthouse
 
 pytest.importorskip("torchft")
@@ -172,9 +173,9 @@ def test_kill_and_heal_one_rank_groups(tmp_path, lighthouse):
     checkpoint read: checkpoints are off), the relaunched group heals from it in its first quorum and trains
     the next step with it, and from then on both hold bitwise the same parameters and AdamW moments and log
     bitwise the same losses."""
-    survivor, healed, _ = kill_and_heal(tmp_path, lighthouse, steps=60, kill_at=4, nproc=1)
+    survivor, healed, _ = kill_and_heal(tmp_path, lighthouse, steps=100, kill_at=4, nproc=1)
     steps = survivor.steps()
-    assert steps == list(range(1, 61))  # never restarted, never went back
+    assert steps == list(range(1, 101))  # never restarted, never went back
     alone = [r["step"] for r in survivor.records() if r.get("ft_participants") == 1]
     assert alone, "the survivor never trained alone"
     (heal,) = healed.state()["heals"]
@@ -196,13 +197,16 @@ def test_lone_group_step_sees_its_half(tmp_path, lighthouse):
     global batch). Group 0 of 2 alone: its first step's loss is the mean over samples 0..3 only, which a plain
     run with global batch 4 computes too (same weights, same samples), and not the 8-sample loss."""
     lone = Group(tmp_path / "ft", 0, lighthouse, steps=1)
+    plain = {name: subprocess.Popen(train_command(1, [*BASE, "--training.steps=1", f"--job.dump_folder={tmp_path / name}",
+                                                      f"--training.global_batch_size={batch}"]),
+                                    cwd=REPO, env={**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)},
+                                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+             for name, batch in (("half", 4), ("whole", 8))}
     lone.wait()
+    for proc in plain.values():
+        assert proc.wait(timeout=300) == 0, proc.stderr.read()[-3000:]
     (rec,) = [r for r in lone.records() if "loss" in r]
     assert rec["ft_participants"] == 1
-    half = run_cli([*BASE, "--training.steps=1", "--training.global_batch_size=4",
-                    f"--job.dump_folder={tmp_path / 'half'}"])
-    whole = run_cli([*BASE, "--training.steps=1", f"--job.dump_folder={tmp_path / 'whole'}"])
-    assert half.returncode == 0 and whole.returncode == 0, half.stderr[-2000:] + whole.stderr[-2000:]
     read = lambda p: [json.loads(x) for x in (p / "metrics.jsonl").read_text().splitlines()][0]["loss"]
     assert rec["loss"] == read(tmp_path / "half")
     assert rec["loss"] != read(tmp_path / "whole")

@@ -87,13 +87,14 @@ def _like(received: Any, template: Any) -> Any:
 class ReplicaAxis:
     """This group's torchft Manager and its managed process group (one per group rank)."""
 
-    def __init__(self, cfg, dims, rank: int, world_size: int):
-        from torchft import Manager, ProcessGroupGloo
+    def __init__(self, cfg, dims, rank: int, world_size: int, device: torch.device):
+        from torchft import Manager, ProcessGroupGloo, ProcessGroupNCCL
 
         self.cfg, self.dims = cfg, dims
         address = lighthouse_address(cfg)
         pg_timeout = timedelta(seconds=cfg.process_group_timeout_seconds)
-        self.pg = ProcessGroupGloo(timeout=pg_timeout)
+        # the gradient shards live on the device: NCCL between GPUs, gloo between CPU processes
+        self.pg = (ProcessGroupNCCL if device.type == "cuda" else ProcessGroupGloo)(timeout=pg_timeout)
         # torchrun's TCPStore (MASTER_ADDR/PORT) is this group's store; a process without torchrun (a group of
         # one rank) hosts its own. Rank 0 runs the group's manager server.
         self._own_store = None
@@ -232,10 +233,10 @@ class ReplicaAxis:
         self._own_store = None
 
 
-def build_replica_axis(cfg, dims, rank: int, world_size: int) -> ReplicaAxis:
+def build_replica_axis(cfg, dims, rank: int, world_size: int, device: torch.device) -> ReplicaAxis:
     """The replica axis of an enabled [fault_tolerance]; refuses an unreachable lighthouse in one line."""
     problem = check_lighthouse(lighthouse_address(cfg), cfg.connect_timeout_seconds) if rank == 0 else None
     problem = from_rank0(problem) if world_size > 1 else problem
     if problem is not None:
         raise ConfigError(problem)
-    return ReplicaAxis(cfg, dims, rank, world_size)
+    return ReplicaAxis(cfg, dims, rank, world_size, device)
