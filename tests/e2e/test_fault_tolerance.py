@@ -234,13 +234,19 @@ def clean_run(tmp: Path, lighthouse: str, steps: int, extra=()) -> list[dict[int
 @pytest.mark.slow
 def test_kill_and_heal_fsdp(tmp_path, lighthouse):
     """The issue's run: group 1's ranks SIGKILLed at step 10, relaunched. The survivor's processes never
-    restart and never read a checkpoint (checkpoints are off); the relaunched group heals and trains the next
-    step; from then on both groups' parameter and AdamW shards are bitwise equal on each rank. Against a clean
-    run of the same command: bitwise equal up to the kill, within AFTER_KILL_RTOL after it."""
-    clean, _ = clean_run(tmp_path / "clean", lighthouse, STEPS)
+    restart and never read a checkpoint, and it goes on writing them (every 5 steps, the lowest live group);
+    the relaunched group heals from it, not from the checkpoints on disk, and trains the next step; from then
+    on both groups' parameter and AdamW shards are bitwise equal on each rank. Against a clean run of the same
+    command: bitwise equal up to the kill, within LONE_RTOL / HEALED_RTOL after it."""
+    ckpt = ["--checkpoint.enable=true", "--checkpoint.interval=5"]
+    clean, _ = clean_run(tmp_path / "clean", lighthouse, STEPS, ckpt)
     survivor, healed, to_next = kill_and_heal(tmp_path / "kill", lighthouse, steps=STEPS, kill_at=10, nproc=2,
-                                              extra=FSDP, lone_sleep=0.5)
+                                              extra=[*FSDP, *ckpt], lone_sleep=0.5)
     assert survivor.steps() == list(range(1, STEPS + 1))
+    assert "resumed from" not in survivor.log.read_text() + healed.log.read_text()
+    assert "no checkpoint read" in healed.log.read_text()
+    saved = {p.name for p in (tmp_path / "kill" / "checkpoint").iterdir()}
+    assert {f"step-{s}" for s in range(5, STEPS + 1, 5)} <= saved  # saves went on through the fault
     (heal,) = healed.state(0)["heals"]
     first = min(s for s in healed.steps() if s > 10)
     assert first == heal["step"] + 1
