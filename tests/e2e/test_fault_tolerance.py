@@ -36,7 +36,9 @@ BASE = ["--recipe", str(REPO / "recipes/debug.toml"), "--metrics.log_freq=1", "-
 
 @pytest.fixture
 def lighthouse():
-    server = start_lighthouse(heartbeat_timeout_ms=HEARTBEAT_MS, join_timeout_ms=500)
+    # join timeout: a group that starts a little later than the other (its manager heartbeats, it is still
+    # building its model) is waited for at the first quorum instead of healing from the other at step 2
+    server = start_lighthouse(heartbeat_timeout_ms=HEARTBEAT_MS, join_timeout_ms=3000)
     yield server.address()
     server.shutdown()
 
