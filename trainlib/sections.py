@@ -309,7 +309,8 @@ class FaultToleranceConfig:
     lighthouse: str = field(default="", metadata={
         "help": "the lighthouse's address (http://host:port); empty: the TORCHFT_LIGHTHOUSE environment variable"})
     connect_timeout_seconds: float = field(default=10.0, metadata={
-        "help": "connecting to the lighthouse and to the group managers; an unreachable lighthouse is refused after it"})
+        "help": "connecting to the lighthouse and to the group managers; an unreachable lighthouse is refused "
+                "after it"})
     process_group_timeout_seconds: float = field(default=10.0, metadata={
         "help": "a cross-group collective, should_commit and a heal's state transfer: a peer that stops "
                 "responding fails the step after this long (the step is run again without it)"})
@@ -326,9 +327,9 @@ class FaultToleranceConfig:
             return
         if self.replica_groups < 2:
             raise ConfigError(
-                f"fault_tolerance.enable needs a replica dimension: replica_groups = {self.replica_groups}, but a group "
-                f"can only fail over to another; set fault_tolerance.replica_groups >= 2 (one torchrun job per group, "
-                f"python -m trainlib.ft local), or turn fault_tolerance.enable off")
+                f"fault_tolerance.enable needs a replica dimension: replica_groups = {self.replica_groups}, but a "
+                f"group can only fail over to another; set fault_tolerance.replica_groups >= 2 (one torchrun job "
+                f"per group, python -m trainlib.ft local), or turn fault_tolerance.enable off")
         if not 0 <= self.replica_id < self.replica_groups:
             raise ConfigError(
                 f"fault_tolerance.replica_id = {self.replica_id} is outside the {self.replica_groups} replica groups; "

@@ -128,7 +128,8 @@ class ReplicaAxis:
         lowest live one, decided at each quorum) and the parameters whose gradients sum across groups."""
         self.checkpointer, self.states, self._params = checkpointer, checkpointer.states, params
         for key, part in self.states.items():
-            self.manager.register_state_dict_fn(key, self._loader(key, part), lambda part=part: _local(part.state_dict()))
+            self.manager.register_state_dict_fn(key, self._loader(key, part),
+                                                lambda part=part: _local(part.state_dict()))
 
     def _loader(self, key: str, part):
         def load(received) -> None:
