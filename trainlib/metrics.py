@@ -9,8 +9,11 @@ Added fields: mfu_basis ("bf16_peak": the denominator of mfu, whatever the
 matmul precision), matmul_precision ("float8" when float8 linears run,
 else "default"), tokens_seen (global input tokens since step 0),
 tokens_seen_per_dataset ({dataset name: input tokens of the global batch since
-step 0}, from the data loader; see docs/data.md), and on validation steps
-val_loss and val_perplexity (trainlib.validation).
+step 0}, from the data loader; see docs/data.md), on validation steps
+val_loss and val_perplexity (trainlib.validation), and with [fault_tolerance]
+ft_participants (live replica groups in the step's quorum), ft_quorum_ms (the
+step's quorum wait) and ft_heal_s (seconds spent healing since the previous
+record) (trainlib.parallel.replica; docs/reliability.md).
 
 To add a field the loop measures, pass it to `MetricsLogger.log` as a keyword
 (`log(step, loss=..., grad_norm=..., lr=..., val_loss=...)`): it is written to

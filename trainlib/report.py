@@ -13,6 +13,10 @@ Mixture-of-Experts runs add moe_aux_loss, moe_z_loss and the dropped tokens
 (where non-zero), and one heat map per run of each MoE layer's load
 imbalance over the steps; the summary table gains the last logged step's
 mean and max imbalance over the layers.
+Fault-tolerant runs (one run folder per replica group, `<dump_folder>/replica_<g>`)
+add the live replica groups per step (`ft_participants`) with each heal marked
+(`ft_heal_s`: a group that rejoined and received a live peer's state), and the
+table lists the heal events.
 A resumed run appends to metrics.jsonl, so a step may appear twice: the later
 record wins. `plot_parity` draws a `trainlib.parity` report the same way.
 """
@@ -186,6 +190,7 @@ def training_panels(runs: list[Run]) -> tuple[list[Panel | HeatMap], list[Series
         panels.append(Panel(title, ylabel, [Series(run.name, c, *_field(run, key)) for run, c in zip(runs, colors)]))
     labels = run_labels(runs)
     panels += moe_panels(runs, labels, colors)
+    panels += ft_panels(runs, colors)
     legend = [Series(f"{label}: loss {_loss_change(run)}", c, width=2.5)
               for run, label, c in zip(runs, labels, colors)]
     if has_val:
@@ -210,6 +215,27 @@ def moe_panels(runs: list[Run], labels: list[str], colors: list[str]) -> list[Pa
             panels.append(heat_map("MoE load imbalance (max/mean tokens per expert)", label, steps, per_layer,
                                    zlabel="max / mean (1 = balanced)"))
     return panels
+
+
+def heal_events(run: Run) -> list[tuple[int, float]]:
+    """(step, seconds) of each heal a fault-tolerant run logged: the record's ft_heal_s covers the heals since
+    the previous logged step."""
+    return [(r["step"], r["ft_heal_s"]) for r in run.records if _num(r.get("ft_heal_s")) and r["ft_heal_s"] > 0]
+
+
+def ft_panels(runs: list[Run], colors: list[str]) -> list[Panel]:
+    """Fault tolerance, [] for runs without it: the live replica groups per step, heals as markers on top."""
+    series = []
+    for run, c in zip(runs, colors):
+        steps, live = _field(run, "ft_participants")
+        if steps:
+            series.append(Series(run.name, c, steps, live))
+            heals = heal_events(run)
+            if heals:
+                at = {s: v for s, v in zip(steps, live)}
+                series.append(Series(f"{run.name} heals", c, [s for s, _ in heals], [at[s] for s, _ in heals],
+                                     markers=True, width=0.0))
+    return [Panel("fault tolerance: live replica groups (markers: heals)", "ft_participants", series)] if series else []
 
 
 def heat_map(title: str, label: str, steps: list, per_step: list[dict], zlabel: str = "",
@@ -488,6 +514,12 @@ def _moe_summary(run: Run) -> list[str]:
     return [_fmt(sum(last) / len(last)), _fmt(max(last))] if last else ["-", "-"]
 
 
+def _ft_summary(run: Run) -> list[str]:
+    live = _field(run, "ft_participants")[1]
+    heals = "; ".join(f"{step}: {_fmt(sec)} s" for step, sec in heal_events(run))
+    return [str(int(min(live))) if live else "-", heals or ("none" if live else "-")]
+
+
 def report(run_dirs: list[str | Path], prefix: str | Path | None = None) -> list[Path]:
     runs = [load_run(d) for d in run_dirs]
     if len({r.name for r in runs}) < len(runs):  # same folder name in different places: use the paths
@@ -495,9 +527,11 @@ def report(run_dirs: list[str | Path], prefix: str | Path | None = None) -> list
             r.name = str(d)
     panels, legend = training_panels(runs)
     moe = any(_per_layer(r, "moe_load_imbalance")[0] for r in runs)
+    ft = any(_field(r, "ft_participants")[0] for r in runs)
     head = ["run", "last step", "first loss", "last loss", "min loss", "last val_loss", "median tok/s",
-            "peak memory GiB"] + (["last MoE imbalance mean", "last MoE imbalance max"] if moe else [])
-    table = [head] + [_summary(r, moe) for r in runs]
+            "peak memory GiB"] + (["last MoE imbalance mean", "last MoE imbalance max"] if moe else []) + (
+            ["fewest live groups", "heals (step: seconds)"] if ft else [])
+    table = [head] + [_summary(r, moe) + (_ft_summary(r) if ft else []) for r in runs]
     return write(panels, legend, "trainlib: " + ", ".join(r.name for r in runs), table,
                  prefix or Path(run_dirs[0]) / "report")
 

@@ -287,3 +287,60 @@ class WatchdogConfig:
         if not self.min_seconds > 0:
             raise ConfigError(f"watchdog.min_seconds must be > 0, got {self.min_seconds}")
 
+
+
+# ----------------------------------------------------------------- trainlib.parallel.replica
+@dataclass
+class FaultToleranceConfig:
+    """In-place fault tolerance on torchft (docs/reliability.md, "Replica groups"). Each replica group is its own
+    torchrun job with its own world (FSDP/TP/PP/CP/EP inside it as usual); the groups average gradients through
+    torchft's managed process group, a dead group is dropped at the next quorum and a relaunched one heals from a
+    live peer. Timeouts, shortest first: connect < process_group < quorum, and quorum + process_group below
+    comm.train_timeout_seconds and watchdog.min_seconds (the lighthouse's heartbeat timeout, set where it is
+    started, below quorum_timeout_seconds)."""
+
+    enable: bool = field(default=False, metadata={
+        "help": "train as one of several replica groups on torchft (pip install 'trainlib[ft]')"})
+    replica_groups: int = field(default=1, metadata={
+        "help": "how many replica groups the job has (each reads its own slice of the global batch); >= 2"})
+    replica_id: int = field(default=0, metadata={"help": "this group's index, 0 .. replica_groups - 1"})
+    min_replica_size: int = field(default=1, metadata={
+        "help": "fewest live groups a step commits with; below it the step is run again after the next quorum"})
+    lighthouse: str = field(default="", metadata={
+        "help": "the lighthouse's address (http://host:port); empty: the TORCHFT_LIGHTHOUSE environment variable"})
+    connect_timeout_seconds: float = field(default=10.0, metadata={
+        "help": "connecting to the lighthouse and to the group managers; an unreachable lighthouse is refused "
+                "after it"})
+    process_group_timeout_seconds: float = field(default=10.0, metadata={
+        "help": "a cross-group collective, should_commit and a heal's state transfer: a peer that stops "
+                "responding fails the step after this long (the step is run again without it)"})
+    quorum_timeout_seconds: float = field(default=15.0, metadata={
+        "help": "how long a step waits for the lighthouse's quorum (must exceed the lighthouse's heartbeat timeout)"})
+
+    def __post_init__(self) -> None:
+        for key in ("connect_timeout_seconds", "process_group_timeout_seconds", "quorum_timeout_seconds"):
+            if not getattr(self, key) > 0:
+                raise ConfigError(f"fault_tolerance.{key} must be > 0 seconds, got {getattr(self, key)}")
+        if self.min_replica_size < 1:
+            raise ConfigError(f"fault_tolerance.min_replica_size must be >= 1, got {self.min_replica_size}")
+        if not self.enable:
+            return
+        if self.replica_groups < 2:
+            raise ConfigError(
+                f"fault_tolerance.enable needs a replica dimension: replica_groups = {self.replica_groups}, but a "
+                f"group can only fail over to another; set fault_tolerance.replica_groups >= 2 (one torchrun job "
+                f"per group, python -m trainlib.ft local), or turn fault_tolerance.enable off")
+        if not 0 <= self.replica_id < self.replica_groups:
+            raise ConfigError(
+                f"fault_tolerance.replica_id = {self.replica_id} is outside the {self.replica_groups} replica groups; "
+                f"give each group's job its index 0 .. {self.replica_groups - 1}")
+        if self.min_replica_size > self.replica_groups:
+            raise ConfigError(
+                f"fault_tolerance.min_replica_size ({self.min_replica_size}) exceeds replica_groups "
+                f"({self.replica_groups}): no step could commit; set it to at most {self.replica_groups}")
+        if not self.connect_timeout_seconds <= self.process_group_timeout_seconds < self.quorum_timeout_seconds:
+            raise ConfigError(
+                f"fault_tolerance timeouts must grow connect ({self.connect_timeout_seconds}) <= process_group "
+                f"({self.process_group_timeout_seconds}) < quorum ({self.quorum_timeout_seconds}) seconds: a step "
+                f"waiting for a quorum must outlast a failed cross-group collective, which outlasts a connection "
+                f"attempt; raise the later ones or lower the earlier ones")

@@ -36,6 +36,7 @@ from trainlib.blocks.moe import MoE, aux_loss_scale, moe_layers
 from trainlib.parallel.cp import local_micro_batches
 from trainlib.parallel.parallel_dims import ParallelDims
 from trainlib.parallel.pp import Pipeline
+from trainlib.parallel.replica import ReplicaAxis
 from trainlib.parallel.tp import loss_context
 
 
@@ -58,6 +59,8 @@ class StepRunner:
     # inputs and targets (before the CP cut); (output, micro-batch, ce) -> (loss sum, {name: term sum}).
     prepare: Callable[[dict], dict] | None = None
     objective: Callable[..., tuple[torch.Tensor, dict]] | None = None
+    # [fault_tolerance]: torchft's replica axis (trainlib.parallel.replica); None: this world is the whole job
+    replica: ReplicaAxis | None = None
     _after_step: list[Callable[[], None]] = field(default_factory=list, repr=False)
     _moe: dict[int, MoE] = field(default_factory=dict, repr=False)  # this rank's MoE blocks by layer index
     _moe_counts: torch.Tensor | None = field(default=None, repr=False)  # the last step's global counts
@@ -76,10 +79,24 @@ class StepRunner:
         return local_micro_batches(micro_batches, cp_mesh, self.cp_load_balance, self.document_mask, self.device,
                                    self.cp_ulysses)
 
+    def begin_step(self, step: int) -> int:
+        """The number of the step to run after `step`: step + 1; with fault tolerance, after the step's quorum
+        (which heals a group that is behind), the one after the last committed step."""
+        return step + 1 if self.replica is None else self.replica.begin_step(step)
+
+    def should_commit(self) -> bool:
+        """Whether the optimizer may step (with the guard's verdict): always, except with fault tolerance when
+        a replica group failed in this step; then its gradients are dropped and the step runs again."""
+        return self.replica is None or self.replica.should_commit()
+
     def forward_backward(self, micro_batches: list[dict], n_targets: torch.Tensor) -> tuple[torch.Tensor, dict]:
         """Forward and backward over one step's micro-batches, each loss divided by `n_targets` (the global
         batch's target tokens); returns (this rank's share of the global mean loss: summing it over dp_cp,
-        and pp, gives the loss; the auxiliary dict)."""
+        and pp, gives the loss; the auxiliary dict). With fault tolerance `n_targets` (this group's count) is
+        first summed over the live replica groups (in place), and the gradients, the loss share and the MoE
+        statistics after the backward."""
+        if self.replica is not None:
+            self.replica.all_reduce_sum([n_targets])
         micro_batches = self.local(micro_batches)
         for block in self._moe.values():  # what an evaluation routed since the last step is not this step's
             block.take_stats()
@@ -103,7 +120,16 @@ class StepRunner:
                     loss_sum += loss.detach()
                     for name, term in mb_terms.items():
                         terms[name] = terms.get(name, 0) + term.detach() / n_targets
-        return loss_sum, {**self._moe_aux(), **self._loss_terms(terms)}
+        aux = self._moe_aux()
+        local_terms = self._local_terms(terms)
+        if self.replica is not None:  # sums over the live replica groups (fault tolerance)
+            stats = [aux["moe_stats"]] if "moe_stats" in aux else []
+            self.replica.all_reduce_sum(self.replica.gradients() + [loss_sum] + stats +
+                                        ([local_terms] if local_terms is not None else []))
+            aux["ft"] = self.replica
+        if local_terms is not None:  # over the group's ranks, as the loss (one all-reduce)
+            aux["loss_terms"] = dict(zip(self.objective.term_names, self.dims.sum_loss(local_terms)))
+        return loss_sum, aux
 
     def _forward(self, model: nn.Module, mb: dict):
         """The model's output for micro-batch `mb` (its extra inputs from the family's `prepare_batch`)."""
@@ -116,15 +142,15 @@ class StepRunner:
             return self.loss_fn(out, mb["labels"].to(self.device)), {}
         return self.objective(out, _to_device(mb, self.device), self.loss_fn)
 
-    def _loss_terms(self, terms: dict[str, torch.Tensor]) -> dict:
-        """The objective's named terms over the global batch (one all-reduce, as the loss's): {"loss_terms": ...}.
-        Every rank takes part, with zeros where it holds none (pipeline stages before the last)."""
+    def _local_terms(self, terms: dict[str, torch.Tensor]) -> torch.Tensor | None:
+        """This rank's shares of the objective's named terms (`term_names` order), stacked; None without any.
+        Every rank has them, zeros where it holds none (pipeline stages before the last), so every rank
+        joins their reductions."""
         names = getattr(self.objective, "term_names", ())
         if not names:
-            return {}
-        values = self.dims.sum_loss(torch.stack([torch.as_tensor(terms.get(n, 0.0), device=self.device,
-                                                                 dtype=torch.float32) for n in names]))
-        return {"loss_terms": dict(zip(names, values))}
+            return None
+        return torch.stack([torch.as_tensor(terms.get(n, 0.0), device=self.device, dtype=torch.float32)
+                            for n in names])
 
     def _take_moe_stats(self) -> torch.Tensor | None:
         """Every MoE layer's routing statistics since the last call, as one [n_layers, E + N_STATS] tensor
@@ -139,10 +165,12 @@ class StepRunner:
             row = m.take_stats()
             stats[i, :m.args.n_experts], stats[i, -MoE.N_STATS:] = row[:-MoE.N_STATS], row[-MoE.N_STATS:]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            # one all-reduce over every rank: pipeline stages hold disjoint layers (zero rows elsewhere),
-            # data, context and tensor-parallel ranks route disjoint tokens (TP splits them, parallel.tp.moe_style)
+            # summed over every rank of this world, mesh by mesh (pp x dp_cp x tp is the world; a size-1 one is a
+            # no-op): pipeline stages hold disjoint layers (zero rows elsewhere), data, context and tensor-parallel
+            # ranks route disjoint tokens (TP splits them, parallel.tp.moe_style)
             stats = stats.reshape(-1).contiguous()
-            dist.all_reduce(stats)
+            for name in ("dp_cp", "tp", "pp"):
+                dist.all_reduce(stats, group=self.dims.mesh(name).get_group())
             stats = stats.view(n_layers, width)
         return stats
 
@@ -232,6 +260,7 @@ def aux_fields(aux: dict) -> dict:
     capacity). A family objective's named terms (multi-token prediction: `mtp_loss_1`, ...) by their names:
     each a token-loss sum over the global batch divided by its target count, as `loss` is."""
     out = {name: float(value) for name, value in aux.get("loss_terms", {}).items()}
+    out.update(aux["ft"].take_fields() if "ft" in aux else {})  # fault tolerance: ft_participants, ft_quorum_ms, ft_heal_s
     if "moe_stats" not in aux:
         return out
     stats, experts = aux["moe_stats"].double().cpu(), aux["moe_experts"]

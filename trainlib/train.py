@@ -96,6 +96,7 @@ from trainlib.plan.core import refuse_unless_fits
 from trainlib.models.registry import ResolvedModel, resolve_model
 from trainlib.optim import build_lr_scheduler, build_optimizer, implementation_of
 from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
+from trainlib.parallel.replica import build_replica_axis
 from trainlib.profiling import GarbageCollection, Profiler
 from trainlib.resilience import RunLock, StepMonitor
 from trainlib.step import StepRunner, aux_fields
@@ -139,7 +140,7 @@ class Job:
         inside a torch call when the interpreter exits, which aborts the process
         ("terminate called without an active exception") after a good run."""
         for part in (self.monitor, self.loader, self.validator, self.gc_handler, self.profiler, self.metrics,
-                     self.run_lock):
+                     self.run_lock, self.runner.replica):
             if part is not None:
                 part.close()
 
@@ -147,7 +148,7 @@ class Job:
 def setup(cfg: JobConfig, info: DistInfo) -> Job:
     """Validate and build. Every user-input error surfaces here, before any
     step runs, as a ConfigError whose message says what to change."""
-    dims = ParallelDims.from_config(cfg.parallelism, info.world_size)
+    dims = ParallelDims.from_config(cfg.parallelism, info.world_size, cfg.fault_tolerance)
     tokenizer = build_tokenizer(cfg.tokenizer)
     model = resolve_model(cfg.model)  # the family and its shape, resolved once for the whole job
     validate_job(cfg, dims, model, tokenizer.vocab_size)
@@ -156,11 +157,14 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     dims.build_mesh(info.device.type)
 
     run_dir = Path(cfg.job.dump_folder)
+    if dims.replica_groups > 1:  # fault tolerance: each group's config, metrics and lock; the checkpoints shared
+        run_dir = run_dir / f"replica_{dims.replica_id}"
     lock, refused, made = None, None, []
     if info.rank == 0:
         folders = {"job.dump_folder": run_dir}
         if cfg.checkpoint.enable:
-            folders["checkpoint.folder"] = checkpoint_root(cfg.checkpoint, run_dir)
+            # shared by the replica groups under fault tolerance: the job's folder, not the group's
+            folders["checkpoint.folder"] = checkpoint_root(cfg.checkpoint, cfg.job.dump_folder)
             if cfg.checkpoint.export_hf:  # where the run ends: found unusable now, not after training
                 folders["checkpoint.export_hf"] = run_dir / "hf"
         made = [p for f in folders.values() for p in (f, *f.parents) if not p.exists()]  # a refusal removes them
@@ -195,6 +199,9 @@ def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, model: Resolv
                grad_accum: int, run_dir: Path, lock: RunLock | None) -> Job:
     """`setup` from the run folder on, once this launch holds it."""
     t = cfg.training
+    # fault tolerance: torchft's replica axis (refuses an unreachable lighthouse before the build)
+    replica = (build_replica_axis(cfg.fault_tolerance, dims, info.rank, info.world_size, info.device)
+               if dims.replica_groups > 1 else None)
     dp_rank, dp_world = dims.dp_coords()  # the data's refusals come before the memory check's, which may follow from them
     loader = build_dataloader(cfg.data, tokenizer, t.seq_len, local_bs, dp_rank, dp_world, t.seed)
     built = build_model_parts(cfg, dims, info.device, model)  # meta build, float8, PP split, parallelize
@@ -206,7 +213,7 @@ def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, model: Resolv
     optimizer = build_optimizer(built.parts, cfg.optimizer, built.weight_copies)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     guard = Guard(t, optimizer, info.device)
-    checkpointer = Checkpointer(cfg.checkpoint, run_dir, {
+    checkpointer = Checkpointer(cfg.checkpoint, cfg.job.dump_folder, {
         "model": ModelState(built.parts), "optimizer": OptimizerState(built.parts, optimizer),
         "scheduler": scheduler, "dataloader": loader, "guard": guard,
         "trainer": TrainState(tokens_per_step=t.global_batch_size * t.seq_len, model_args=built.model_args,
@@ -215,7 +222,10 @@ def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, model: Resolv
                                                     if getattr(cfg.model, k) is not None),
                               moe={f"moe.{k}": v for k, v in vars(cfg.moe).items()} if built.runner.moe_experts
                               else None)})
-    start_step = checkpointer.load()
+    if replica is not None:  # a heal transfers the checkpoint's parts; the runner sums across groups
+        replica.register(checkpointer, [p for m in built.parts for p in m.parameters()])
+        built.runner.replica = replica
+    start_step = checkpointer.load() if replica is None else replica.join(checkpointer)  # join: a heal, or load
     validator = build_validator(cfg.validation, tokenizer, t.seq_len, local_bs, grad_accum, t.seed, built.runner)
     profiler = Profiler(cfg.profiling, run_dir, info.rank, info.device, start_step)
     if info.rank == 0:  # every start-up check has passed: from here on this launch writes into the run folder
@@ -266,7 +276,7 @@ def train_loop(job: Job) -> list[dict]:
     tokens_per_step = t.global_batch_size * t.seq_len
     records, step = [], job.start_step
     while step < t.steps:
-        step += 1
+        step = job.runner.begin_step(step)  # step + 1 (fault tolerance: after the quorum; a failed step again)
         job.gc_handler.run(step)
         job.monitor.start_step(step)
         micro_batches = [next(job.loader) for _ in range(job.grad_accum)]
@@ -279,6 +289,8 @@ def train_loop(job: Job) -> list[dict]:
         loss = job.dims.sum_loss(loss_share)
         grad_norm = clip_grad_norm_([p for m in job.model_parts for p in m.parameters()], t.max_norm, pp_mesh,
                                     optimizer=job.optimizer, copies=job.runner.stage_copies())
+        if not job.runner.should_commit():  # fault tolerance: a replica group failed in the step; run it again
+            continue
         if job.guard.check(step, loss, grad_norm):  # judged on the device; False: a skip the host knows of
             job.optimizer.step()
         job.runner.after_optimizer_step(job.guard.withheld)  # float8's next scales, MoE bias; none if withheld

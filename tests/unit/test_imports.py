@@ -42,7 +42,7 @@ LAYERS = [
      ["trainlib.checkpoint", "trainlib.checkpoint.*"]),
     ("job config: composes every component's config; cross-field validation",
      ["trainlib.config", "trainlib.config.*"]),
-    ("entry points", ["trainlib", "trainlib.train", "trainlib.plan", "trainlib.plan.*", "trainlib.parity",
+    ("entry points", ["trainlib", "trainlib.train", "trainlib.ft", "trainlib.plan", "trainlib.plan.*", "trainlib.parity",
                       "trainlib._parity_worker",
                       "trainlib.convert", "trainlib.checkpoint.bench", "trainlib.report"]),
 ]

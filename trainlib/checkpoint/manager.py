@@ -258,6 +258,8 @@ class Checkpointer:
             # a model the HF format cannot express is refused now, not after training (ConfigError)
             spec_of_args(self.train_state.model_args).state_dict_adapter.hf_config_from_args(
                 self.train_state.model_args)
+        # False: another replica group writes the shared checkpoints (fault tolerance: the lowest live one)
+        self.writer = True
         if cfg.enable and cfg.async_mode != "disabled" and dist.is_initialized():
             # Background saves run collectives while the loop runs its own; a
             # separate gloo group keeps the two from interleaving on one channel.
@@ -401,7 +403,7 @@ class Checkpointer:
     # ---- save ------------------------------------------------------------------
     def due(self, step: int, last_step: int) -> bool:
         """Whether `maybe_save(step, last_step)` will save."""
-        return self.cfg.enable and (step % self.cfg.interval == 0 or step == last_step)
+        return self.cfg.enable and self.writer and (step % self.cfg.interval == 0 or step == last_step)
 
     def maybe_save(self, step: int, last_step: int) -> None:
         """Record `step` as done (in the TrainState), and save if it is due."""
@@ -482,7 +484,7 @@ class Checkpointer:
         checkpoint complete on disk, writing it synchronously unless it is
         already saved or in flight, and return on every rank only once rank 0
         has committed it."""
-        if not self.cfg.enable:
+        if not self.cfg.enable or not self.writer:
             return
         self.wait()
         step = self.train_state.step

@@ -19,7 +19,7 @@ from trainlib.errors import ConfigError
 from trainlib.blocks.config import MoEConfig
 from trainlib.models.flavors import DEFAULT_MODEL, FAMILIES, model_args
 from trainlib.parallel.config import ActivationCheckpointConfig, CompileConfig, ParallelismConfig
-from trainlib.sections import (CommConfig, Float8Config, GuardConfig, LossConfig, LRSchedulerConfig, MetricsConfig,
+from trainlib.sections import (CommConfig, FaultToleranceConfig, Float8Config, GuardConfig, LossConfig, LRSchedulerConfig, MetricsConfig,
                                OptimizerConfig, ProfilingConfig, ValidationConfig, WatchdogConfig)
 
 
@@ -136,3 +136,4 @@ class JobConfig:
     compile: CompileConfig = field(default_factory=CompileConfig)
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)

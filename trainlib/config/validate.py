@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 
 import importlib.util
 import inspect
@@ -25,13 +26,14 @@ from trainlib.parallel.parallel_dims import ParallelDims
 
 def resolve_local_batch_size(cfg: JobConfig, dims: ParallelDims) -> tuple[int, int]:
     """(local_batch_size, gradient accumulation steps) for this layout."""
-    gbs, dp = cfg.training.global_batch_size, dims.dp
+    gbs, dp = cfg.training.global_batch_size, dims.data_parallel
     lbs = cfg.training.local_batch_size
     if lbs is None:
         if gbs % dp:
+            groups = f" x replica groups ({dims.replica_groups})" if dims.replica_groups > 1 else ""
             raise ConfigError(
                 f"training.global_batch_size ({gbs}) must be divisible by the data-parallel degree "
-                f"dp_replicate*dp_shard ({dp}); change the batch or the layout"
+                f"dp_replicate*dp_shard{groups} ({dp}); change the batch or the layout"
             )
         lbs = gbs // dp
     if gbs % (lbs * dp):
@@ -77,6 +79,34 @@ def validate_job(cfg: JobConfig, dims: ParallelDims, model: ResolvedModel, token
             f"watchdog.min_seconds ({cfg.watchdog.min_seconds:g}) must be below half of comm.train_timeout_seconds "
             f"({cfg.comm.train_timeout_seconds:g}), so that a hang is reported before the collective timeout ends "
             f"the job; lower watchdog.min_seconds or raise comm.train_timeout_seconds")
+    if cfg.fault_tolerance.enable:
+        _validate_fault_tolerance(cfg)
+
+
+def _validate_fault_tolerance(cfg: JobConfig) -> None:
+    """[fault_tolerance]'s rules that need other sections or the installation (docs/reliability.md)."""
+    ft = cfg.fault_tolerance
+    if importlib.util.find_spec("torchft") is None:
+        raise ConfigError("fault_tolerance.enable needs torchft, which is not installed; pip install 'trainlib[ft]' "
+                          "(or torchft>=0.2), or turn fault_tolerance.enable off")
+    if not (ft.lighthouse or os.environ.get("TORCHFT_LIGHTHOUSE")):
+        raise ConfigError("fault_tolerance.enable needs the lighthouse's address: set fault_tolerance.lighthouse "
+                          "(or TORCHFT_LIGHTHOUSE), e.g. from python -m trainlib.ft lighthouse")
+    # A group waiting on a quorum or a failed cross-group collective must not be taken for a hung one.
+    worst = ft.quorum_timeout_seconds + ft.process_group_timeout_seconds
+    limit, key = ((cfg.watchdog.min_seconds, "watchdog.min_seconds") if cfg.watchdog.enable
+                  else (cfg.comm.train_timeout_seconds, "comm.train_timeout_seconds"))
+    if worst >= limit:
+        raise ConfigError(
+            f"fault_tolerance.quorum_timeout_seconds + process_group_timeout_seconds ({worst:g}) must be below {key} "
+            f"({limit:g}): a step that waits out a dead group would be ended as hung; raise {key} or lower them")
+    for key in ("on_nonfinite", "on_spike"):
+        if getattr(cfg.training, key) == "rollback":
+            raise ConfigError(f"training.{key} = 'rollback' is not supported with fault_tolerance.enable (every "
+                              f"group would reload from disk); pick 'skip' or 'stop'")
+    if cfg.validation.enable:
+        raise ConfigError("validation.enable is not supported with fault_tolerance.enable yet (each group would "
+                          "validate on its own slice only); turn one of them off")
 
 
 def validate_machine(cfg: JobConfig, device: torch.device) -> None:

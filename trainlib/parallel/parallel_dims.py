@@ -53,6 +53,10 @@ class ParallelDims:
     # ranks each context-parallel all-to-all spans (cp_method: allgather 1, ulysses cp, hybrid cp_ulysses);
     # between 1 and cp it splits cp into cp_outer x cp_inner meshes
     cp_ulysses: int = 1
+    # [fault_tolerance]: this world is replica group `replica_id` of `replica_groups` torchrun jobs, which
+    # average gradients through torchft's managed group (trainlib.parallel.replica), not a mesh axis
+    replica_groups: int = 1
+    replica_id: int = 0
     _meshes: dict[str, DeviceMesh] = field(default_factory=dict, init=False, repr=False)
     _view_dim: dict[str, tuple[DeviceMesh, int]] = field(default_factory=dict, init=False, repr=False)
 
@@ -89,10 +93,13 @@ class ParallelDims:
                 f"that also divides the model's number of experts")
 
     @classmethod
-    def from_config(cls, parallelism, world_size: int) -> "ParallelDims":
-        """The degrees of a [parallelism] recipe section (ParallelismConfig)."""
+    def from_config(cls, parallelism, world_size: int, fault_tolerance=None) -> "ParallelDims":
+        """The degrees of a [parallelism] recipe section (ParallelismConfig), and the replica groups of an
+        enabled [fault_tolerance] one."""
+        ft = fault_tolerance if fault_tolerance is not None and fault_tolerance.enable else None
         return cls(world_size=world_size, ep=getattr(parallelism, "ep", 1),
                    cp_ulysses=getattr(parallelism, "ulysses_degree", 1),
+                   replica_groups=ft.replica_groups if ft else 1, replica_id=ft.replica_id if ft else 0,
                    **{axis: getattr(parallelism, axis) for axis in AXES})
 
     # ---- degrees -------------------------------------------------------------
@@ -100,6 +107,11 @@ class ParallelDims:
     def dp(self) -> int:
         """Data-parallel degree: how many different micro-batches run at once."""
         return self.dp_replicate * self.dp_shard
+
+    @property
+    def data_parallel(self) -> int:
+        """Slices of each global batch: dp in every replica group (fault tolerance), dp otherwise."""
+        return self.dp * self.replica_groups
 
     @property
     def fsdp_enabled(self) -> bool:
@@ -222,7 +234,8 @@ class ParallelDims:
 
     def dp_coords(self) -> tuple[int, int]:
         """(rank, degree) of this process along dp: which slice of each global
-        batch it loads. Ranks that differ only in cp/tp/pp load the same data."""
+        batch it loads. Ranks that differ only in cp/tp/pp load the same data;
+        replica group g (fault tolerance) takes the g-th dp-sized run of slices."""
         if not self._meshes:
-            return 0, 1
-        return self.mesh("dp").get_local_rank(), self.dp
+            return self.replica_id, self.replica_groups
+        return self.replica_id * self.dp + self.mesh("dp").get_local_rank(), self.data_parallel
