@@ -476,3 +476,48 @@ def test_tensor_parallel_gradients_match_one_process(sequence_parallel, latent):
     from tests.helpers import spawn
 
     spawn(_tp_matches_one_process, 2, sequence_parallel, latent)
+
+
+# ------------------------------------------------------------------------------------ bad input (issue 51 item 8)
+
+
+def test_mtp_depth_on_a_family_without_it_is_one_line():
+    from trainlib.config import load_job_config
+
+    with pytest.raises(ConfigError, match=r"^model.mtp_depth = 1, but model.name 'llama3' has no multi-token "
+                                          r"prediction; set model.mtp_depth = 0, or use a family that has it: "
+                                          r"deepseek_v3$"):
+        load_job_config(None, ["--model.mtp_depth=1"])
+    assert load_job_config(None, ["--model.mtp_depth=0"]).model.mtp_depth == 0  # 0 is every family's
+    with pytest.raises(ConfigError, match=r"^model.mtp_depth must be >= 0, got -1$"):
+        load_job_config(None, ["--model.name=deepseek_v3", "--model.mtp_depth=-1"])
+
+
+def _saved(tmp_path, args, name):
+    from trainlib.checkpoint import CheckpointConfig, Checkpointer, ModelState, TrainState
+    from trainlib.models.registry import MODELS
+
+    model = MODELS[name].model_cls(args, rope_len=8)
+    model.init_weights(seed=0)
+    state = {"model": ModelState([model]), "trainer": TrainState(tokens_per_step=1, model_args=args, model_name=name)}
+    return Checkpointer(CheckpointConfig(enable=True, interval=1), tmp_path, state)
+
+
+@pytest.mark.parametrize("saved_depth,run_depth", [(0, 1), (1, 0)])
+def test_a_checkpoint_with_another_mtp_depth_is_refused_at_resume(tmp_path, saved_depth, run_depth):
+    """A checkpoint saved without MTP resumed with MTP on (and the reverse): one line naming mtp_depth and both
+    values, before any weight is read (the MTP module's weights would be missing, or left behind)."""
+    _saved(tmp_path, get_model_args("debug", mtp_depth=saved_depth), "deepseek_v3").maybe_save(1, last_step=1)
+    with pytest.raises(ConfigError) as e:
+        _saved(tmp_path, get_model_args("debug", mtp_depth=run_depth), "deepseek_v3").load()
+    assert "\n" not in str(e.value)
+    assert f"mtp_depth={saved_depth}, but this run builds mtp_depth={run_depth}" in str(e.value), str(e.value)
+
+
+def test_a_deepseek_checkpoint_given_to_another_family_is_refused_in_one_line(tmp_path):
+    from trainlib.models.qwen3_moe import get_model_args as moe_args
+
+    _saved(tmp_path, get_model_args("debug"), "deepseek_v3").maybe_save(1, last_step=1)
+    with pytest.raises(ConfigError) as e:
+        _saved(tmp_path, moe_args("debug_moe"), "qwen3_moe").load()
+    assert "\n" not in str(e.value) and "deepseek_v3" in str(e.value) and "qwen3_moe" in str(e.value), str(e.value)

@@ -349,8 +349,8 @@ class Checkpointer:
                 every: list = [None] * dist.get_world_size()
                 dist.all_gather_object(every, sorted(names))
                 names = set().union(*every)
+            self._check_model_args(Path(path))  # the fields first: a field names the cause a missing tensor shows
             check_model_matches(Path(path), model_sd, names)
-            self._check_model_args(Path(path))
         if "optimizer" in states:
             check_optimizer_matches(Path(path), states["optimizer"].state_dict())
         # Parts raise a ValueError naming the rule (e.g. a DP degree that
