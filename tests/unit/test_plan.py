@@ -777,6 +777,8 @@ PROBED = [
     ("debug_qwen3.toml", 4, ["model.flavor=debug_tied", "parallelism.tp=2"]),
     ("debug_moe.toml", 8, ["parallelism.ep=2", "parallelism.pp=2"]),
     ("debug_moe.toml", 8, ["parallelism.ep=4", "parallelism.tp=2"]),
+    # MLA, an MTP depth on the last stage (a root, whose block is an extra block) and its copy of the embedding
+    ("debug_deepseek.toml", 4, ["parallelism.pp=2", "parallelism.dp_shard=2", "parallelism.ep=2"]),
 ]
 
 
@@ -899,3 +901,34 @@ def test_mla_activation_estimate_equals_saved_tensors(q_lora_rank, dtype):
         norms = 4 * (2 * args.dim + args.kv_lora_rank + args.q_lora_rank) if dtype == torch.bfloat16 else 0
         moe = 4 * args.moe.n_experts + (4 * args.dim * args.moe.n_experts if dtype == torch.bfloat16 else 0)
         assert measured - est == norms + (moe if i != "0" else 0), (i, measured, est)
+
+
+@pytest.mark.parametrize("mode", ["none", "full"])
+def test_plan_activations_of_a_model_with_mtp_equal_its_forward(mode):
+    """debug_deepseek (MLA, a dense block, MoE blocks, one MTP depth): the planner's whole-stage activations
+    (blocks, the MTP depth's block, norms, projection input and output, token ids) against one measured forward
+    with the MTP inputs, fp32, a flash-like kernel. Not modelled, as for Qwen3-MoE: the grouped matmul's offsets
+    (n_experts int32 per MoE forward)."""
+    from trainlib.models.deepseek_v3 import Transformer as DeepSeek
+    from trainlib.models.deepseek_v3 import get_model_args as deepseek_args
+
+    plan = make_plan(str(RECIPES / "debug_deepseek.toml"), 1, overrides=[
+        "training.global_batch_size=4", "training.seq_len=128", f"activation_checkpoint.mode={mode}",
+        "loss.chunked=false"])
+    args = deepseek_args("debug_deepseek")
+    model = DeepSeek(args, rope_len=128)
+    for block in [*model.layers.values(), model.mtp["0"].transformer_layer]:
+        block.attention.sdpa = lambda q, k, v, mask=None, *, scale=None: _FlashLike.apply(q, k, v)
+    apply_ac(model, mode)
+    seen = {}
+    skip = {p.untyped_storage().data_ptr() for p in model.parameters()} | {model.rope.untyped_storage().data_ptr()}
+
+    def pack(t):
+        seen[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    tokens = torch.randint(0, args.vocab_size, (4, 128))
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(tokens, mtp_inputs=[torch.roll(tokens, -1, 1)])
+    offsets = 4 * args.moe.n_experts * (args.n_layers - args.n_dense_layers + args.mtp_depth) if mode == "none" else 0
+    assert sum(v for k, v in seen.items() if k not in skip) - plan.stages[0].memory["activations"] == offsets

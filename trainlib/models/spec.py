@@ -134,7 +134,9 @@ class ModelSpec:
     block_forward_flops one block's forward FLOPs per token, op by op: (name, FLOPs, is a matmul), a matmul
                         named as its linear module and the attention scores' op "attention"; what activation
                         checkpointing reruns is counted from it
-    block_shapes        (args) -> one BlockShape per block, in order: what the planner prices each block by
+    block_shapes        (args) -> one BlockShape per block, in global index order: what the planner prices each
+                        block by; the n_layers decoder blocks, then any extra blocks (multi-token prediction's
+                        depths, `extra_block_paths`), which the last pipeline stage runs, one output each
     prepare_batch       (args) -> a micro-batch hook or None (the model protocol above); default None
     objective           (args, model_cfg) -> the family's loss or None (the model protocol above); default None
     state_dict_adapter  module mapping names, layouts and config.json to and from Hugging Face

@@ -223,6 +223,7 @@ class _Probe:
     fsdp: bool
     autocast: bool
     weight_copies: bool
+    copies: tuple[str, ...] = ()  # first-stage roots the last pipeline stage holds a copy of (pp.last_stage_copies)
 
 
 def _structure(block: nn.Module) -> tuple:
@@ -286,8 +287,8 @@ def _probe_build(cfg, world_size: int) -> Build | None:
 
         _PROBES[key] = _on_fake_world(probe_cfg.parallelism, world_size // pp, 0, read)
     probe = _PROBES[key]
-    if probe is None:
-        return None
+    if probe is None or (probe.copies and pp > 1 and par.pp_schedule in pp_lib.V_SCHEDULES):
+        return None  # (the copy on the first stage's own rank: only the exact build holds both)
     per_rank = pp_lib.stages_per_rank(par.pp_schedule, par.pp_stages_per_rank) if pp > 1 else 1
     n_stages = pp * per_rank
     counts = pp_lib.layers_per_stage(len(structures), n_stages, par.pp_layers_per_stage if pp > 1 else None)
@@ -297,10 +298,13 @@ def _probe_build(cfg, world_size: int) -> Build | None:
         ids = pp_lib.stage_ids(pp_rank, pp, per_rank, par.pp_schedule) if pp > 1 else [0]
         layers = [i for sid in ids for i in range(starts[sid], starts[sid] + counts[sid])]
         first, last = 0 in ids, n_stages - 1 in ids
+        copied = last and not first and pp > 1  # this rank holds the last stage's copies of first-stage roots
         roots = [(name, m) for name, m in probe.roots.items() if m is not None
-                 and (name in spec.stage_roots.first and first or name in spec.stage_roots.last and last)]
+                 and (name in spec.stage_roots.first and first or name in spec.stage_roots.last and last
+                      or copied and name in probe.copies)]
         blocks = [(f"layers.{i}", probe.blocks[structures[i]]) for i in layers]
-        ranks.append(rank_build_of(cfg, pp_rank, ids, layers, first, last, roots, blocks))
+        ranks.append(rank_build_of(cfg, pp_rank, ids, layers, first or bool(copied and probe.copies), last, roots,
+                                   blocks))
     groups = _on_fake_world(par, world_size, 0, _groups)
     return Build(n_params=n_params, fsdp=probe.fsdp, n_stages=n_stages, stages_per_rank=per_rank,
                  n_microbatches=(par.pp_microbatches or n_stages) if pp > 1 else 1, ranks=ranks, groups=groups,
@@ -310,6 +314,8 @@ def _probe_build(cfg, world_size: int) -> Build | None:
 def _read_probe(spec, built, structures: list[tuple]) -> _Probe | None:
     """The probe's modules; `structures`: its blocks' (`_structure` before it was parallelized)."""
     from torch.distributed.fsdp import FSDPModule
+
+    from trainlib.parallel.pp import last_stage_copies
 
     (part,) = built.parts
     roots = {name: getattr(part, name) for name in (*spec.stage_roots.first, *spec.stage_roots.last)}
@@ -321,7 +327,7 @@ def _read_probe(spec, built, structures: list[tuple]) -> _Probe | None:
     for structure, block in zip(structures, part.layers.values(), strict=True):
         blocks.setdefault(structure, block)
     return _Probe(roots, blocks, isinstance(part, FSDPModule), built.autocast_dtype is not None,
-                  getattr(built, "weight_copies", None) is not None)
+                  getattr(built, "weight_copies", None) is not None, last_stage_copies(part))
 
 
 def read_rank_build(cfg, dims, built) -> RankBuild:
@@ -532,7 +538,7 @@ def step_shape(cfg, dims, args, n_stages: int, stages_per_rank: int, n_microbatc
                      n_microbatches=n_microbatches, mb_tokens=local_bs // n_microbatches * t.seq_len / dims.cp,
                      fsdp=fsdp, reshard=reshard_after_forward(par.fsdp_reshard_after_forward, dims.pp_enabled),
                      block_params=block_params, cp_ulysses=dims.cp_ulysses, ep=dims.ep,
-                     block_expert_params=block_expert_params,
+                     block_expert_params=block_expert_params, n_layers=args.n_layers,
                      loss_chunk_tokens=loss_chunk_tokens(cfg, args.vocab_size, dims.tp, device_type)
                      if cfg.loss.chunked else None)
 

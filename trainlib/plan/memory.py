@@ -223,6 +223,13 @@ class StepShape:
     cp_ulysses: int = 1  # ranks of CP's all-to-all (parallelism.cp_method: allgather 1, ulysses cp, hybrid)
     ep: int = 1  # expert parallel's degree
     block_expert_params: int = 0  # of block_params, the routed experts' elements one ep rank holds (EP on)
+    n_layers: int | None = None  # the decoder blocks; `blocks` past them are extra blocks the last stage runs
+    # (multi-token prediction's depths, each with its own output); None: every block is a decoder block
+
+    @property
+    def extra_blocks(self) -> list[int]:
+        """Global indices of the blocks after the decoder's (multi-token prediction's: one output each)."""
+        return list(range(self.n_layers, len(self.blocks))) if self.n_layers is not None else []
 
     @property
     def block(self):
@@ -245,7 +252,24 @@ def activation_bytes(s: StepShape, ac, pp_rank: int, layers: list[int], has_emb:
     if has_out:  # final norm (as in a block) and the output projection's input
         act += ((8 * s.dim + 4) / (s.tp if s.sp else 1) + s.elem * s.dim) * s.mb_tokens * in_flight \
             / s.stages_per_rank
+        if s.extra_blocks:  # multi-token prediction's depths run on the last stage after its blocks
+            extra_kept, extra_recompute = layer_bytes(s.blocks, s.extra_blocks, s.mb_tokens, tp=s.tp, sp=s.sp,
+                                                      elem=s.elem, ac=ac)
+            act += (extra_kept + mtp_depth_bytes_per_token(s) * len(s.extra_blocks) * s.mb_tokens) * in_flight \
+                / s.stages_per_rank
+            recompute = max(recompute, extra_recompute)
     return act, recompute
+
+
+def mtp_depth_bytes_per_token(s: StepShape) -> float:
+    """What one multi-token prediction depth keeps besides its block, per token: the shifted token ids, the
+    embedding norm's and the hidden norm's fp32 input, normalized copy and rstd, their concatenation (the
+    projection's input, 2 x dim in the compute dtype), and like the main output its final norm and the output
+    projection's input (tests/unit/test_plan.py measures it with saved-tensor hooks). In fp32 the hidden
+    norm's input is the tensor the previous output's final norm keeps already (the norms upcast in place)."""
+    ts = s.tp if s.sp else 1
+    shared = 4 * s.dim if s.elem == 4 else 0
+    return 8 + (3 * (8 * s.dim + 4) - shared) / ts + 2 * s.elem * s.dim + s.elem * s.dim
 
 
 def cp_kv_heads(s: StepShape) -> int:
@@ -281,12 +305,14 @@ def logits_loss_bytes(s: StepShape, has_out: bool) -> float:
         return 0.0
     vocab_local = s.vocab_size / (s.tp if s.loss_parallel else 1)
     n_held = s.n_microbatches if s.schedule in ("GPipe", "LoopedBFS") and s.pp > 1 else 1
+    outputs = 1 + len(s.extra_blocks)  # multi-token prediction: one more loss per depth, each kept to backward
     if s.loss_chunk_tokens is not None:
         w_numel = s.vocab_size / s.tp * s.dim  # the weight is vocab-sharded under TP, loss parallel or not
         acc = max(4, s.elem)  # the sum's dtype: fp32, or the compute dtype where wider (trainlib.loss)
         summing = (acc + (s.elem if s.elem < acc else 0)) * w_numel
-        return 12 * min(s.loss_chunk_tokens, s.mb_tokens) * vocab_local + summing + (n_held - 1) * s.elem * w_numel
-    return (4 * (n_held - 1) + 12) * s.mb_tokens * vocab_local
+        return (12 * min(s.loss_chunk_tokens, s.mb_tokens) * vocab_local + summing
+                + (n_held * outputs - 1) * s.elem * w_numel)
+    return (4 * (n_held * outputs - 1) + 12) * s.mb_tokens * vocab_local
 
 
 def fsdp_unsharded_bytes(s: StepShape, n_layers: int, has_emb: bool, has_out: bool) -> float:

@@ -344,7 +344,7 @@ def block_forward_flops(args: ModelArgs, seq_len: int) -> list[tuple[str, float,
 
 
 def block_shapes(args: ModelArgs) -> list[BlockShape]:
-    """Every decoder block's shape, for the planner: n_kv_heads = n_heads (MLA's keys and values are per
+    """Every block's shape, for the planner, the MTP depths' after the decoder's: n_kv_heads = n_heads (MLA's keys and values are per
     head once wkv_b has run), head_dim the query/key width (nope + rope), v_head_dim the value's, and the
     latents (q_lora_rank, kv_lora_rank, rope_head_dim);
     ffn_dim the dense MLP's width, or for an MoE block the hidden width a token activates
@@ -354,8 +354,9 @@ def block_shapes(args: ModelArgs) -> list[BlockShape]:
     shape = dict(dim=args.dim, n_heads=args.n_heads, n_kv_heads=args.n_heads, head_dim=args.qk_head_dim,
                  v_head_dim=args.v_head_dim, q_lora_rank=args.q_lora_rank, kv_lora_rank=args.kv_lora_rank,
                  rope_head_dim=args.qk_rope_head_dim)
-    return [BlockShape(**shape, ffn_dim=args.ffn_dim) if i < args.n_dense_layers
-            else BlockShape(**shape, ffn_dim=active, moe=m) for i in range(args.n_layers)]
+    # the MTP depths' blocks after the decoder's, of the last block's kind (Transformer.extra_block_paths)
+    return [BlockShape(**shape, ffn_dim=args.ffn_dim) if min(i, args.n_layers - 1) < args.n_dense_layers
+            else BlockShape(**shape, ffn_dim=active, moe=m) for i in range(args.n_layers + args.mtp_depth)]
 
 
 def flops_per_token(args: ModelArgs, seq_len: int) -> float:
