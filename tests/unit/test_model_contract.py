@@ -23,7 +23,8 @@ GENERIC = [*sorted((ROOT / "parallel").glob("*.py")), *sorted((ROOT / "plan").gl
            *sorted((ROOT / "checkpoint").glob("*.py")), *sorted((ROOT / "config").glob("*.py")),
            *(ROOT / name for name in ("train.py", "validation.py", "build.py", "loss.py", "optim.py", "adamw.py",
                                       "precision.py", "convert.py", "parity.py", "float8.py", "metrics.py", "sections.py",
-                                      "guard.py"))]
+                                      "guard.py", "step.py", "params.py")),
+           *sorted((ROOT / "data").glob("*.py"))]
 # Named by the contract itself: the blocks' ModuleDict; `moe`, the [moe] recipe section and the args field an
 # MoE family's shape carries (trainlib.blocks.moe.MoEArgs), which generic code reads by that name (it finds the
 # MoE modules by class, trainlib.blocks.moe.moe_layers, never by a block's attribute).
@@ -102,3 +103,36 @@ def test_the_check_sees_a_family_or_module_name_written_into_generic_code(tmp_pa
         assert _mentions(bad, families, modules), line
     bad.write_text('"""Mentions of llama3 and q_norm in prose are fine."""\n# so is a comment on wq\nx = 1\n')
     assert not _mentions(bad, families, modules)
+
+
+def _family_classes() -> set[str]:
+    """Class names a family defines for its model's modules (its attention, its blocks, MTP modules, the
+    model class), less the names the shared rooms define (`trainlib.blocks`, `trainlib.models.layers`:
+    generic code finds the attention base and the MoE parts by those classes)."""
+    import trainlib.blocks.attention
+    import trainlib.blocks.moe
+    import trainlib.models.layers
+
+    shared = {name for mod in (trainlib.blocks.attention, trainlib.blocks.moe, trainlib.models.layers)
+              for name, obj in vars(mod).items() if isinstance(obj, type)}
+    names = set()
+    for spec in MODELS.values():
+        with torch.device("meta"):
+            model = spec.model_cls(spec.get_args("debug"), rope_len=8)
+        names |= {type(m).__name__ for m in model.modules()
+                  if type(m).__module__.startswith(f"trainlib.models.{spec.name}")}
+    return names - shared
+
+
+def test_generic_code_names_no_family_class():
+    """The axes, the step, the planner and the checkpoint find blocks by position (`block_paths`) and modules by
+    the shared rooms' classes, never by a family's own classes (an MoE block, MLA, an MTP module)."""
+    classes = _family_classes()
+    assert {"MoEBlock", "MLA", "MTPModule"} <= classes and "Attention" not in classes  # the base is shared
+    found = []
+    for path in GENERIC:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            name = node.id if isinstance(node, ast.Name) else node.attr if isinstance(node, ast.Attribute) else None
+            if name in classes:
+                found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {name}")
+    assert not found, "generic code names a family's class:\n" + "\n".join(found)

@@ -29,8 +29,8 @@ __all__ = [
     "HFTokenizer",
     "TiktokenTokenizer",
     "build_tokenizer",
-    "LLAMA3_SPLIT_PATTERN",
-    "LLAMA3_NUM_SPECIAL_TOKENS",
+    "TIKTOKEN_SPLIT_PATTERN",
+    "TIKTOKEN_NUM_SPECIAL_TOKENS",
 ]
 
 
@@ -49,7 +49,7 @@ class Tokenizer(Protocol):
 @dataclass
 class TokenizerConfig:
     kind: Literal["byte", "hf", "tiktoken"] = field(
-        default="byte", metadata={"help": "byte (UTF-8 bytes, no files), hf (tokenizer.json) or tiktoken (Llama 3 tokenizer.model)"}
+        default="byte", metadata={"help": "byte (UTF-8 bytes, no files), hf (tokenizer.json) or tiktoken (a BPE tokenizer.model, with 256 special tokens after its ranks)"}
     )
     path: str | None = field(
         default=None, metadata={"help": "tokenizer.json for kind=hf; tiktoken tokenizer.model for kind=tiktoken; unused for byte"}
@@ -147,7 +147,7 @@ class HFTokenizer:
 
 # Llama 3 pre-tokenization: contractions, letter runs with an optional leading
 # non-letter/non-digit, digit groups of at most 3, punctuation runs, newlines and whitespace.
-LLAMA3_SPLIT_PATTERN = (
+TIKTOKEN_SPLIT_PATTERN = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)"
     r"|[^\r\n\p{L}\p{N}]?\p{L}+"
     r"|\p{N}{1,3}"
@@ -156,10 +156,10 @@ LLAMA3_SPLIT_PATTERN = (
     r"|\s+(?!\S)"
     r"|\s+"
 )
-LLAMA3_NUM_SPECIAL_TOKENS = 256
+TIKTOKEN_NUM_SPECIAL_TOKENS = 256
 # The named specials of Llama 3.x, in id order right after the base vocabulary; the
 # remaining slots up to 256 are <|reserved_special_token_N|>.
-_LLAMA3_NAMED_SPECIALS = (
+_TIKTOKEN_NAMED_SPECIALS = (
     "<|begin_of_text|>",
     "<|end_of_text|>",
     "<|reserved_special_token_0|>",
@@ -176,10 +176,10 @@ _LLAMA3_NAMED_SPECIALS = (
 _MAX_ENCODE_CHARS = 400_000
 
 
-def _llama3_special_names() -> list[str]:
-    names = list(_LLAMA3_NAMED_SPECIALS)
+def _tiktoken_special_names() -> list[str]:
+    names = list(_TIKTOKEN_NAMED_SPECIALS)
     k = 2
-    while len(names) < LLAMA3_NUM_SPECIAL_TOKENS:
+    while len(names) < TIKTOKEN_NUM_SPECIAL_TOKENS:
         names.append(f"<|reserved_special_token_{k}|>")
         k += 1
     return names
@@ -214,7 +214,7 @@ class TiktokenTokenizer:
     """Llama 3 tokenizer: tiktoken BPE ranks + Llama 3 split regex + 256 special tokens."""
 
     def __init__(self, path: str):
-        path = _require_file(path, "tiktoken", "a Llama 3 style tiktoken tokenizer.model file")
+        path = _require_file(path, "tiktoken", "a tiktoken BPE tokenizer.model file (ranks, as Meta ships them)")
         try:
             import tiktoken
         except ImportError as e:  # the environment lacks an optional package: the user's to install
@@ -223,14 +223,14 @@ class TiktokenTokenizer:
         self.path = path
         ranks = _read_bpe_ranks(path)
         base = len(ranks)
-        self.special_tokens = {name: base + i for i, name in enumerate(_llama3_special_names())}
+        self.special_tokens = {name: base + i for i, name in enumerate(_tiktoken_special_names())}
         self._enc = tiktoken.Encoding(
             name=os.path.basename(path),
-            pat_str=LLAMA3_SPLIT_PATTERN,
+            pat_str=TIKTOKEN_SPLIT_PATTERN,
             mergeable_ranks=ranks,
             special_tokens=self.special_tokens,
         )
-        self.vocab_size = base + LLAMA3_NUM_SPECIAL_TOKENS
+        self.vocab_size = base + TIKTOKEN_NUM_SPECIAL_TOKENS
         self.bos_id = self.special_tokens["<|begin_of_text|>"]
         self.eos_id = self.special_tokens["<|end_of_text|>"]
 
