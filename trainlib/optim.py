@@ -1,18 +1,23 @@
-"""The optimizer (chosen by `optimizer.name`; AdamW) and the learning-rate schedule."""
+"""The optimizers (chosen by `optimizer.name`: the registry OPTIMIZERS, each entry's declaration an
+`OptimizerKind`) and the learning-rate schedule."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import replace
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
+from typing import NamedTuple
 
 import torch
 from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainlib.adamw import AdamW as OnePassAdamW
-from trainlib.sections import LRSchedulerConfig, OptimizerConfig
+from trainlib.models.config import PARAM_ROLES
+from trainlib.muon import Muon
+from trainlib.params import canonical_name
 from trainlib.precision import LowPrecisionCopies
+from trainlib.sections import LRSchedulerConfig, MuonConfig, OptimizerConfig
 
 
 def resolve_implementation(implementation: str, params: Iterable[torch.Tensor], state_dtype: str = "float32",
@@ -46,13 +51,55 @@ def implementation_of(optimizer: torch.optim.Optimizer) -> str:
     return "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
 
 
-def fused_on(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
-    """Whether every group of `optimizer` is torch's fused AdamW over
-    parameters on `device`: then its step reads the on-device inputs
-    `found_inf` (skip the update) and `grad_scale` (divide each gradient by
-    it) that torch's GradScaler feeds it, with no host sync."""
-    fused = isinstance(optimizer, OnePassAdamW) or all(g.get("fused") for g in optimizer.param_groups)
-    return fused and all(p.device == device for g in optimizer.param_groups for p in g["params"])
+class NamedParam(NamedTuple):
+    """A parameter as the optimizer builder receives it: its canonical name (the checkpoint key), the
+    parameter, and its role (trainlib.models.config.PARAM_ROLES, from ModelSpec.param_role)."""
+
+    name: str
+    param: torch.Tensor
+    role: str
+
+
+@dataclass(frozen=True)
+class OptimizerKind:
+    """What one `optimizer.name` declares; the runtime reads it instead of assuming AdamW.
+
+    build            (named parameters with roles, its OptimizerConfig, the weight copies or None) -> optimizer
+    state_bytes      (role, numel, element size in bytes, cfg) -> bytes of optimizer state this parameter's shard
+                     adds (the planner, trainlib.plan.memory)
+    hyper_parameters the param-group keys a checkpoint records and a resume compares with the run's own
+                     (trainlib.checkpoint.state.OptimizerState); the lr is the schedule's
+    describe         (optimizer, cfg) -> the start-up line's optimizer part (trainlib.build.describe_choices)
+    device_gate      (optimizer) -> whether its step reads `grad_scale` (the clip's, divides every gradient) and
+                     `found_inf` (the guard's, > 0 withholds the whole update) on the device: then the clip and the
+                     guard hand them over instead of acting on the host (trainlib.parallel.grad, trainlib.guard)
+
+    A new optimizer: its module (the update, its builder and these declarations), one line in OPTIMIZERS and
+    its name in OptimizerConfig.name's Literal (trainlib.sections, torch-free).
+    """
+
+    name: str
+    build: Callable[[list[NamedParam], OptimizerConfig, LowPrecisionCopies | None], torch.optim.Optimizer]
+    state_bytes: Callable[[str, int, int, OptimizerConfig], int]
+    hyper_parameters: tuple[str, ...]
+    describe: Callable[[torch.optim.Optimizer, OptimizerConfig], str]
+    device_gate: Callable[[torch.optim.Optimizer], bool]
+
+
+# ---- AdamW ------------------------------------------------------------------------------------------------------------
+
+# Weight decay applies to matrices only: decaying norm gains and biases pulls them towards zero, which only
+# hurts. The embedding and the head decay (they are matrices: the ndim rule trainlib always had).
+ADAMW_NO_DECAY = ("norm", "bias")
+STATE_BYTES = {"float32": 4, "bfloat16": 2}
+
+
+def adamw_groups(named: list[NamedParam], weight_decay: float) -> list[dict]:
+    """AdamW's two param groups, in the parameters' order: decayed, then not decayed (empty ones left out)."""
+    decay = [n.param for n in named if n.role not in ADAMW_NO_DECAY]
+    no_decay = [n.param for n in named if n.role in ADAMW_NO_DECAY]
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
 
 
 def _adamw(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
@@ -64,32 +111,132 @@ def _adamw(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
 
 
-# optimizer.name -> builder(param groups, cfg). A new optimizer is a builder
-# here and its name in OptimizerConfig.name's Literal.
-OPTIMIZERS = {"adamw": _adamw}
+def _build_adamw(named: list[NamedParam], cfg: OptimizerConfig,
+                 weight_copies: LowPrecisionCopies | None) -> torch.optim.Optimizer:
+    impl = resolve_implementation(cfg.implementation, [n.param for n in named], cfg.state_dtype,
+                                  weight_copies is not None)
+    optimizer = _adamw(adamw_groups(named, cfg.weight_decay), replace(cfg, implementation=impl))
+    if weight_copies is not None and isinstance(optimizer, OnePassAdamW):  # it writes them in its own pass
+        optimizer.write_low_precision_copies(weight_copies)
+    return optimizer
+
+
+def _adamw_state_bytes(role: str, numel: int, elem: int, cfg: OptimizerConfig) -> int:
+    # exp_avg and exp_avg_sq in optimizer.state_dtype, and a 4-byte fp32 `step` per parameter.
+    return 2 * numel * STATE_BYTES[cfg.state_dtype] + 4
+
+
+def _adamw_device_gate(optimizer: torch.optim.Optimizer) -> bool:
+    return isinstance(optimizer, OnePassAdamW) or all(g.get("fused") for g in optimizer.param_groups)
+
+
+ADAMW = OptimizerKind(
+    name="adamw", build=_build_adamw, state_bytes=_adamw_state_bytes,
+    hyper_parameters=("betas", "eps", "weight_decay", "amsgrad", "maximize"),
+    describe=lambda optimizer, cfg: f"adamw {implementation_of(optimizer)}"
+                                    + (" (auto)" if cfg.implementation == "auto" else ""),
+    device_gate=_adamw_device_gate)
+
+
+# ---- Muon (trainlib.muon) ---------------------------------------------------------------------------------------------
+
+def ns_dtype(cfg: OptimizerConfig, params: Iterable[torch.Tensor]) -> str:
+    """`optimizer.muon.ns_dtype` with "auto" resolved: bfloat16 when every parameter is on CUDA, else float32."""
+    if cfg.muon.ns_dtype != "auto":
+        return cfg.muon.ns_dtype
+    params = list(params)
+    return "bfloat16" if params and all(p.device.type == "cuda" for p in params) else "float32"
+
+
+def _build_muon(named: list[NamedParam], cfg: OptimizerConfig,
+                weight_copies: LowPrecisionCopies | None) -> torch.optim.Optimizer:
+    m = cfg.muon
+    on_muon = [n for n in named if n.role in m.roles]
+    groups = [{"params": [n.param for n in on_muon], "algorithm": "muon", "weight_decay": cfg.weight_decay}]
+    groups = [g for g in groups if g["params"]]
+    groups += [{**g, "algorithm": "adamw"} for g in adamw_groups([n for n in named if n.role not in m.roles],
+                                                                 cfg.weight_decay)]
+    return Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                momentum=m.momentum, nesterov=m.nesterov, ns_steps=m.ns_steps,
+                ns_coefficients=tuple(m.ns_coefficients), ns_eps=m.eps, adjust_lr=m.adjust_lr,
+                ns_dtype=ns_dtype(cfg, (n.param for n in on_muon)))
+
+
+def _muon_state_bytes(role: str, numel: int, elem: int, cfg: OptimizerConfig) -> int:
+    # A Muon matrix keeps one momentum buffer like the parameter; the rest AdamW's state.
+    return numel * elem if role in cfg.muon.roles else _adamw_state_bytes(role, numel, elem, cfg)
+
+
+def _describe_muon(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig) -> str:
+    m = cfg.muon
+    n_muon = sum(len(g["params"]) for g in optimizer.param_groups if g["algorithm"] == "muon")
+    n_adamw = sum(len(g["params"]) for g in optimizer.param_groups if g["algorithm"] == "adamw")
+    return (f"muon on {n_muon} tensors ({', '.join(m.roles)}; {m.ns_steps} Newton-Schulz steps in "
+            f"{optimizer.defaults['ns_dtype']}{' (auto)' if m.ns_dtype == 'auto' else ''}, lr {m.adjust_lr}), "
+            f"adamw on {n_adamw}")
+
+
+MUON = OptimizerKind(
+    name="muon", build=_build_muon, state_bytes=_muon_state_bytes,
+    hyper_parameters=("algorithm", "betas", "eps", "weight_decay", "momentum", "nesterov", "ns_steps",
+                      "ns_coefficients", "ns_eps", "adjust_lr", "ns_dtype"),
+    describe=_describe_muon, device_gate=lambda optimizer: True)
+
+
+# optimizer.name -> its declaration. A new optimizer: its module and one line here (and its name in
+# OptimizerConfig.name's Literal).
+OPTIMIZERS: dict[str, OptimizerKind] = {"adamw": ADAMW, "muon": MUON}
+
+
+def kind_of(optimizer: torch.optim.Optimizer) -> OptimizerKind:
+    """The declaration of an optimizer `build_optimizer` built (AdamW for one built elsewhere, e.g. a custom
+    loop's torch.optim.AdamW)."""
+    return OPTIMIZERS[getattr(optimizer, "optimizer_name", "adamw")]
+
+
+def fused_on(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
+    """Whether `optimizer`'s step reads the on-device inputs `found_inf` (skip
+    the update) and `grad_scale` (divide each gradient by it), as torch's
+    fused AdamW does from GradScaler, with no host sync (its declaration's
+    `device_gate`), over parameters all on `device`."""
+    return (kind_of(optimizer).device_gate(optimizer)
+            and all(p.device == device for g in optimizer.param_groups for p in g["params"]))
+
+
+def fallback_role(name: str, param: torch.Tensor) -> str:
+    """A role where no family names one (a module built outside the registry): a bias by its name,
+    other 1-D parameters norms, every other one a matrix: AdamW's groups as the ndim rule gave them."""
+    if param.ndim >= 2:
+        return "matrix"
+    return "bias" if name.rsplit(".", 1)[-1] == "bias" else "norm"
+
+
+def named_params(model_parts: Iterable[nn.Module],
+                 param_role: Callable[[str], str] | None = None) -> list[NamedParam]:
+    """The trainable parameters of all model parts, in order, with canonical names and roles (the family's
+    `param_role`, else `fallback_role`)."""
+    out = []
+    for part in model_parts:
+        for name, p in part.named_parameters():
+            if p.requires_grad:
+                name = canonical_name(name)
+                role = param_role(name) if param_role is not None else fallback_role(name, p)
+                if role not in PARAM_ROLES:
+                    raise ValueError(f"param_role gave {name} the role {role!r}, not one of {PARAM_ROLES}")
+                out.append(NamedParam(name, p, role))
+    return out
 
 
 def build_optimizer(model_parts: Iterable[nn.Module], cfg: OptimizerConfig,
-                    weight_copies: LowPrecisionCopies | None = None) -> torch.optim.Optimizer:
+                    weight_copies: LowPrecisionCopies | None = None,
+                    param_role: Callable[[str], str] | None = None) -> torch.optim.Optimizer:
     """The optimizer `cfg.name` over all model parts (several under pipeline parallelism).
 
-    Weight decay applies to matrices only: decaying norm gains pulls them
-    towards zero, which only hurts. `weight_copies` (build.ModelParts'): an
-    optimizer that can write them in its own pass (trainlib.adamw) does.
+    `param_role`: the family's (ModelSpec.param_role), by canonical name; without it, `fallback_role`.
+    `weight_copies` (build.ModelParts'): an optimizer that can write them in its own pass (trainlib.adamw) does.
     """
-    decay, no_decay = [], []
-    for part in model_parts:
-        for p in part.parameters():
-            if p.requires_grad:
-                (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    impl = resolve_implementation(cfg.implementation, decay + no_decay, cfg.state_dtype, weight_copies is not None)
-    optimizer = OPTIMIZERS[cfg.name]([g for g in groups if g["params"]], replace(cfg, implementation=impl))
-    if weight_copies is not None and isinstance(optimizer, OnePassAdamW):
-        optimizer.write_low_precision_copies(weight_copies)
+    optimizer = OPTIMIZERS[cfg.name].build(named_params(model_parts, param_role), cfg, weight_copies)
+    optimizer.optimizer_name = cfg.name
     return optimizer
 
 

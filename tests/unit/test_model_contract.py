@@ -16,12 +16,13 @@ from pathlib import Path
 import torch
 
 import trainlib
+from trainlib.models.config import PARAM_ROLES
 from trainlib.models.registry import MODELS
 
 ROOT = Path(trainlib.__file__).parent
 GENERIC = [*sorted((ROOT / "parallel").glob("*.py")), *sorted((ROOT / "plan").glob("*.py")),
            *sorted((ROOT / "checkpoint").glob("*.py")), *sorted((ROOT / "config").glob("*.py")),
-           *(ROOT / name for name in ("train.py", "validation.py", "build.py", "loss.py", "optim.py", "adamw.py",
+           *(ROOT / name for name in ("train.py", "validation.py", "build.py", "loss.py", "optim.py", "adamw.py", "muon.py",
                                       "precision.py", "convert.py", "parity.py", "float8.py", "metrics.py", "sections.py",
                                       "guard.py"))]
 # Named by the contract itself: the blocks' ModuleDict; `moe`, the [moe] recipe section and the args field an
@@ -30,7 +31,9 @@ GENERIC = [*sorted((ROOT / "parallel").glob("*.py")), *sorted((ROOT / "plan").gl
 CONTRACT_NAMES = {"layers", "moe"}
 # Strings the contract defines: block_forward_flops names the attention scores' op "attention" (the planner
 # prices that kind of work by it); attribute access to a module of that name stays a hit.
-CONTRACT_STRINGS = {"attention"}
+# The parameter roles (ModelSpec.param_role, trainlib.models.config.PARAM_ROLES: "norm", "router", "output",
+# ...) are the contract's vocabulary too: the optimizers group parameters by them.
+CONTRACT_STRINGS = {"attention", *PARAM_ROLES}
 
 
 def _family_words() -> tuple[set[str], set[str]]:

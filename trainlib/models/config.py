@@ -10,6 +10,16 @@ from typing import Literal
 from trainlib.errors import ConfigError
 
 
+# The roles a family gives its parameters (ModelSpec.param_role), by canonical name: what an optimizer
+# groups them by (trainlib.optim), torch-free so that the recipe's `optimizer.muon.roles` is checked
+# before torch is imported.
+#   embedding  the token embedding table            output  the output projection (the head)
+#   norm       a normalisation gain (RMSNorm, ...)  bias    any additive bias
+#   router     an MoE router's gate matrix          expert  a routed-expert weight [n_experts, out, in]
+#   matrix     every other weight matrix (attention, MLP, shared experts) [out, in]
+PARAM_ROLES = ("embedding", "output", "norm", "bias", "router", "expert", "matrix")
+
+
 @dataclass(frozen=True)
 class MoEArgs:
     """The shape of one MoE block (a family's flavor holds it)."""

@@ -31,6 +31,10 @@ from typing import Any
 
 from torch import nn
 
+from trainlib.models.config import PARAM_ROLES
+
+__all__ = ["PARAM_ROLES", "BlockShape", "ModelSpec", "StageRoots"]
+
 
 @dataclass(frozen=True)
 class StageRoots:
@@ -83,6 +87,11 @@ class ModelSpec:
                         (`ARCHITECTURES`: the config.json architectures it reads); a weight HF stores as one
                         tensor per slice of its first dimension (an MoE layer's experts) it names by the tuple
                         of their HF names, in order (trainlib.checkpoint.hf stacks and splits them)
+    param_role          (canonical parameter name, e.g. `layers.3.attention.wq.weight`) -> one of PARAM_ROLES
+                        ("embedding", "output", "norm", "bias", "router", "expert", "matrix"): what the optimizer
+                        groups parameters by (trainlib.optim: AdamW's weight decay, Muon's orthogonalised set). A
+                        "matrix" or "router" is 2-D [out, in]; an "expert" is 3-D [n_experts, out, in], one matrix
+                        per expert; trainlib.models.roles has the shared name rules
     """
 
     name: str
@@ -98,3 +107,4 @@ class ModelSpec:
     block_forward_flops: Callable[[Any, int], list[tuple[str, float, bool]]]
     block_shapes: Callable[[Any], list[BlockShape]]
     state_dict_adapter: ModuleType
+    param_role: Callable[[str], str]

@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainlib.params import canonical_name
 from trainlib.plan.comm import comm_bytes, comm_seconds
 from trainlib.plan.hardware import ASSUMPTIONS, GPUS, GiB, axis_intra_node
 from trainlib.plan.memory import (DTYPE_BYTES, StepShape, activation_bytes, logits_loss_bytes, optimizer_state_dtype,
@@ -362,7 +363,7 @@ def rank_build_of(cfg, pp_rank: int, stage_ids: list[int], layers: list[int], ha
     per_block = [list(b.parameters()) for _, b in blocks]
     return RankBuild(
         pp_rank, list(stage_ids), list(layers), has_embedding, has_output,
-        {**params_state_bytes(params, optimizer_state_dtype(cfg)),
+        {**params_state_bytes(params, optimizer_state_dtype(cfg), _optimizer_bytes(cfg, spec, pieces)),
          "weight_copies": weight_copy_bytes([m for _, m in pieces])},
         max((sum(_per_tp_rank(p) for p in ps) for ps in per_block), default=0),
         sum(_per_tp_rank(p) for p in root_params),
@@ -535,6 +536,23 @@ def step_shape(cfg, dims, args, n_stages: int, stages_per_rank: int, n_microbatc
                      block_expert_params=block_expert_params,
                      loss_chunk_tokens=loss_chunk_tokens(cfg, args.vocab_size, dims.tp, device_type)
                      if cfg.loss.chunked else None)
+
+
+def _optimizer_bytes(cfg, spec, pieces: list[tuple[str, nn.Module]]):
+    """(parameter, local numel, element size) -> its optimizer state bytes, as the job's optimizer declares
+    them for the parameter's role (trainlib.optim.OPTIMIZERS; the family's ModelSpec.param_role)."""
+    from trainlib.optim import OPTIMIZERS, fallback_role
+
+    kind, names = OPTIMIZERS[cfg.optimizer.name], {}
+    for prefix, piece in pieces:
+        for name, p in piece.named_parameters():
+            names.setdefault(id(p), canonical_name(f"{prefix}.{name}" if prefix else name))
+
+    def state(p, numel: int, elem: int) -> int:
+        name = names.get(id(p))
+        role = spec.param_role(name) if name is not None else fallback_role("", p)
+        return kind.state_bytes(role, numel, elem, cfg.optimizer)
+    return state
 
 
 def stage_memory(cfg, s: StepShape, r: RankBuild, grad_accum: int, assumptions: dict) -> StagePlan:

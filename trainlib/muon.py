@@ -1,0 +1,172 @@
+"""Muon (`optimizer.name = "muon"`): orthogonalised momentum for the matrices, AdamW for the rest, one optimizer.
+
+The update of a Muon parameter (a matrix [A, B] = [out, in], or an MoE layer's
+experts [E, A, B], one matrix per expert), per step:
+    g   = grad / grad_scale                       (the clip's scale, when handed one)
+    m   = m.lerp(g, 1 - momentum)                 (the momentum buffer, `momentum_buffer`)
+    u   = g.lerp(m, momentum) if nesterov else m
+    O   = NewtonSchulz(u)                         (ns_steps quintic iterations on u / ||u||, the
+                                                   transposed problem when A > B; per expert)
+    p   = p * (1 - lr * weight_decay) - lr * adjust(A, B) * O
+with adjust = 0.2 sqrt(max(A, B)) (`match_rms_adamw`, so AdamW's lr and weight
+decay carry over) or sqrt(max(1, A / B)) (`original`). The arithmetic is
+torch.optim.Muon's, with Newton-Schulz in `ns_dtype` instead of always bf16
+(tests/unit/test_muon.py holds it to a float32 reference within 1e-6).
+Parameters of the other roles are param groups of kind "adamw" here, updated by
+trainlib's one-pass AdamW (trainlib.adamw: fp32 moments, `step`, `exp_avg`,
+`exp_avg_sq` as torch's).
+
+Distribution. Momentum, weight decay and the final update are elementwise and
+run on each rank's shard as the parameter lives (FSDP, TP, EP DTensors).
+Newton-Schulz needs the whole matrix:
+  - a 3-D expert weight sharded only on its expert dim (EP; FSDP over efsdp on
+    top) holds whole experts: each rank orthogonalises its own experts, no
+    communication;
+  - any other DTensor is all-gathered over its own mesh (`full_tensor()`: the
+    collectives of its placements, never the world), orthogonalised, and each
+    rank keeps its own shard of the result (a local slice). Every rank of the
+    mesh runs the same Newton-Schulz on the same matrix, so the shards agree
+    bitwise with each other and with one process.
+Bound: a rank holds one full matrix (one parameter's [E, A, B] for experts under
+TP) at a time, plus Newton-Schulz's temporaries (three matrices of that size).
+Not yet: owner ranks (each matrix orthogonalised once, by a rank chosen by size
+across its shard group, and scattered back); today the gather is replicated and
+the Newton-Schulz compute is repeated on every rank of the shard group.
+
+The clip's scale and the guard's found_inf (trainlib.parallel.grad,
+trainlib.guard) are read on the device, as by torch's fused AdamW: `grad_scale`
+divides every gradient, `found_inf` > 0 withholds the whole update (weights,
+momentum, AdamW moments and step counts).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch.distributed.tensor import DTensor, Replicate
+
+from trainlib.adamw import AdamW, _local
+
+NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def newton_schulz(u: torch.Tensor, coefficients: tuple[float, float, float], steps: int, eps: float,
+                  dtype: torch.dtype) -> torch.Tensor:
+    """The orthogonalised `u` (2-D, or a batch of matrices [E, A, B]) in `u`'s dtype: `steps` quintic
+    Newton-Schulz iterations in `dtype` on u / ||u|| (each matrix's Frobenius norm, floored at `eps`), on
+    the transposed matrix when it has more rows than columns."""
+    a, b, c = coefficients
+    x = u.to(dtype, copy=True)
+    tall = u.size(-2) > u.size(-1)
+    if tall:
+        x = x.mT
+    if x.ndim == 2:
+        x.div_(torch.linalg.vector_norm(x).clamp(min=eps))
+        for _ in range(steps):
+            gram = x @ x.T
+            x = torch.addmm(x, torch.addmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    else:
+        x = x / torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True).clamp(min=eps)
+        for _ in range(steps):
+            gram = x @ x.mT
+            x = torch.baddbmm(x, torch.baddbmm(gram, gram, gram, beta=b, alpha=c), x, beta=a)
+    if tall:
+        x = x.mT
+    return x.to(u.dtype)
+
+
+def adjusted_lr(lr: float, adjust: str, shape: torch.Size) -> float:
+    """`lr` scaled for a matrix of `shape` (its last two dims, rows A by columns B)."""
+    rows, cols = shape[-2], shape[-1]
+    if adjust == "match_rms_adamw":
+        return lr * 0.2 * math.sqrt(max(rows, cols))
+    return lr * math.sqrt(max(1.0, rows / cols))
+
+
+def _whole_experts(p: DTensor) -> bool:
+    """Whether each local shard of a 3-D expert weight holds whole experts: it is split on dim 0 only."""
+    return p.ndim == 3 and all(pl.is_replicate() or (pl.is_shard() and pl.dim == 0) for pl in p.placements)
+
+
+class Muon(AdamW):
+    """Muon param groups (`"algorithm": "muon"`) and AdamW ones (`"algorithm": "adamw"`); see the module
+    docstring. Each group carries every hyper-parameter; a group reads its algorithm's."""
+
+    def __init__(self, params, lr: float = 1e-3, weight_decay: float = 0.1, betas: tuple[float, float] = (0.9, 0.95),
+                 eps: float = 1e-8, momentum: float = 0.95, nesterov: bool = True, ns_steps: int = 5,
+                 ns_coefficients: tuple[float, float, float] = (3.4445, -4.7750, 2.0315), ns_eps: float = 1e-7,
+                 adjust_lr: str = "match_rms_adamw", ns_dtype: str = "float32"):
+        if ns_dtype not in NS_DTYPES:
+            raise ValueError(f"ns_dtype must be one of {', '.join(NS_DTYPES)}, got {ns_dtype!r}")
+        if adjust_lr not in ("match_rms_adamw", "original"):
+            raise ValueError(f"adjust_lr must be match_rms_adamw or original, got {adjust_lr!r}")
+        super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, compile=False)
+        for group in self.param_groups:
+            group.setdefault("algorithm", "muon")
+            for k, v in dict(momentum=momentum, nesterov=nesterov, ns_steps=ns_steps,
+                             ns_coefficients=tuple(ns_coefficients), ns_eps=ns_eps, adjust_lr=adjust_lr,
+                             ns_dtype=ns_dtype).items():
+                group.setdefault(k, v)
+                self.defaults.setdefault(k, v)
+            if group["algorithm"] == "muon":
+                for p in group["params"]:
+                    if p.ndim not in (2, 3):
+                        raise ValueError(f"Muon updates matrices [A, B] and expert stacks [E, A, B], got a "
+                                         f"parameter of shape {tuple(p.shape)}")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            if group["algorithm"] == "adamw":
+                self._step_group(group, {})
+            else:
+                self._muon_group(group)
+        self.wrote_every_copy = False
+        return loss
+
+    def _muon_group(self, group: dict) -> None:
+        mu, nesterov, lr, wd = group["momentum"], group["nesterov"], group["lr"], group["weight_decay"]
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            g = p.grad
+            if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+                g = g.redistribute(p.device_mesh, p.placements)
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            local, grad, buf = _local(p), _local(g), _local(state["momentum_buffer"])
+            if self.grad_scale is not None:
+                grad = grad / self.grad_scale.to(grad.device)
+            keep = None if self.found_inf is None else self.found_inf.to(local.device) > 0
+            new_buf = buf.lerp(grad, 1 - mu)
+            update = grad.lerp(new_buf, mu) if nesterov else new_buf
+            update = self._orthogonalize(p, update, group)
+            new = local.mul(1 - lr * wd)
+            new.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape))
+            if keep is None:
+                buf.copy_(new_buf)
+                local.copy_(new)
+            else:
+                buf.copy_(torch.where(keep, buf, new_buf))
+                local.copy_(torch.where(keep, local, new))
+
+    def _orthogonalize(self, p: torch.Tensor, update: torch.Tensor, group: dict) -> torch.Tensor:
+        """Newton-Schulz of this rank's shard `update` of parameter `p`'s update, returned as this rank's
+        shard of the whole matrix's (or each expert's) result."""
+        args = (tuple(group["ns_coefficients"]), group["ns_steps"], group["ns_eps"], NS_DTYPES[group["ns_dtype"]])
+        if not isinstance(p, DTensor) or _whole_experts(p) or all(pl.is_replicate() for pl in p.placements):
+            return newton_schulz(update, *args)
+        mesh, placements = p.device_mesh, p.placements
+        full = DTensor.from_local(update, mesh, placements, shape=p.shape, stride=p.stride()).full_tensor()
+        out = newton_schulz(full, *args)
+        del full
+        # Replicate -> the parameter's placements is a local slice on every rank (no communication).
+        return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False) \
+            .redistribute(mesh, placements).to_local()
+
