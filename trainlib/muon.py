@@ -44,7 +44,8 @@ from __future__ import annotations
 import math
 
 import torch
-from torch.distributed.tensor import DTensor, Replicate
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from trainlib.adamw import AdamW, _local
 
@@ -131,6 +132,7 @@ class Muon(AdamW):
 
     def _muon_group(self, group: dict) -> None:
         mu, nesterov, lr, wd = group["momentum"], group["nesterov"], group["lr"], group["weight_decay"]
+        items = []  # (parameter, its local shard, the momentum's, the new momentum, this rank's shard of the update)
         for p in group["params"]:
             if p.grad is None:
                 continue
@@ -143,10 +145,11 @@ class Muon(AdamW):
             local, grad, buf = _local(p), _local(g), _local(state["momentum_buffer"])
             if self.grad_scale is not None:
                 grad = grad / self.grad_scale.to(grad.device)
-            keep = None if self.found_inf is None else self.found_inf.to(local.device) > 0
             new_buf = buf.lerp(grad, 1 - mu)
-            update = grad.lerp(new_buf, mu) if nesterov else new_buf
-            update = self._orthogonalize(p, update, group)
+            items.append((p, local, buf, new_buf, grad.lerp(new_buf, mu) if nesterov else new_buf))
+        updates = self._orthogonalize([(p, u) for p, _, _, _, u in items], group)
+        for (p, local, buf, new_buf, _), update in zip(items, updates):
+            keep = None if self.found_inf is None else self.found_inf.to(local.device) > 0
             new = local.mul(1 - lr * wd)
             new.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape))
             if keep is None:
@@ -156,17 +159,98 @@ class Muon(AdamW):
                 buf.copy_(torch.where(keep, buf, new_buf))
                 local.copy_(torch.where(keep, local, new))
 
-    def _orthogonalize(self, p: torch.Tensor, update: torch.Tensor, group: dict) -> torch.Tensor:
-        """Newton-Schulz of this rank's shard `update` of parameter `p`'s update, returned as this rank's
-        shard of the whole matrix's (or each expert's) result."""
+    def _orthogonalize(self, items: list[tuple[torch.Tensor, torch.Tensor]], group: dict) -> list[torch.Tensor]:
+        """Newton-Schulz of each parameter's update, given and returned as this rank's shard of it: locally
+        for whole matrices (plain tensors, replicated DTensors, experts split on their expert dim), by
+        owner ranks for a DTensor sharded over one mesh dim (`_owner_rounds`), else gathered whole on every
+        rank of its mesh (`_gathered`)."""
         args = (tuple(group["ns_coefficients"]), group["ns_steps"], group["ns_eps"], NS_DTYPES[group["ns_dtype"]])
-        if not isinstance(p, DTensor) or _whole_experts(p) or all(pl.is_replicate() for pl in p.placements):
-            return newton_schulz(update, *args)
-        mesh, placements = p.device_mesh, p.placements
-        full = DTensor.from_local(update, mesh, placements, shape=p.shape, stride=p.stride()).full_tensor()
-        out = newton_schulz(full, *args)
-        del full
-        # Replicate -> the parameter's placements is a local slice on every rank (no communication).
-        return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False) \
-            .redistribute(mesh, placements).to_local()
+        out: list[torch.Tensor | None] = [None] * len(items)
+        buckets: dict[tuple, list[int]] = {}  # (mesh, mesh dim, dtype) -> items, in the parameters' order
+        for i, (p, u) in enumerate(items):
+            sharded = [(k, pl) for k, pl in enumerate(p.placements) if not pl.is_replicate()] \
+                if isinstance(p, DTensor) else []
+            if not sharded or _whole_experts(p):
+                out[i] = newton_schulz(u, *args)
+            elif len(sharded) == 1 and type(sharded[0][1]) is Shard:
+                buckets.setdefault((p.device_mesh, sharded[0][0], u.dtype), []).append(i)
+            else:
+                out[i] = _gathered(p, u, args)
+        for (mesh, k, _), idx in buckets.items():
+            for i, o in zip(idx, _owner_rounds(mesh, k, [items[i] for i in idx], args)):
+                out[i] = o
+        return out
 
+
+def _chunk_sizes(length: int, n: int) -> list[int]:
+    """The sizes of torch.chunk(length, n)'s pieces, padded with empty ones to n (DTensor's Shard split)."""
+    chunk = -(-length // n)
+    return [max(0, min(length, (i + 1) * chunk) - min(length, i * chunk)) for i in range(n)]
+
+
+def _owners(sizes: list[int], n: int) -> list[list[int]]:
+    """Items (by index) per rank of a group of `n`, balanced by size: the largest first, each to the rank
+    with the least owned so far (the lowest rank on a tie); the same on every rank."""
+    load, owned = [0] * n, [[] for _ in range(n)]
+    for i in sorted(range(len(sizes)), key=lambda i: -sizes[i]):
+        r = min(range(n), key=lambda r: (load[r], r))
+        owned[r].append(i)
+        load[r] += sizes[i]
+    return owned
+
+
+def _owner_rounds(mesh, k: int, items: list[tuple[DTensor, torch.Tensor]], args: tuple) -> list[torch.Tensor]:
+    """Newton-Schulz of updates whose parameters are sharded over mesh dim `k` only (plain Shard(d)):
+    each matrix by one owner rank of that dim's group (`_owners`), in rounds of one matrix per rank; a
+    round's shards go to their owners in one all-to-all over the group, and the results' slices back in
+    another. A rank holds at most one whole matrix of its own per round, plus its shards in flight."""
+    group, n, me = mesh.get_group(k), mesh.size(k), mesh.get_local_rank(k)
+    owned = _owners([p.numel() for p, _ in items], n)
+    out: list[torch.Tensor | None] = [None] * len(items)
+    dims = [p.placements[k].dim for p, _ in items]
+    sizes = [_chunk_sizes(p.shape[d], n) for (p, _), d in zip(items, dims)]
+    for i, (p, u) in enumerate(items):
+        if u.shape[dims[i]] != sizes[i][me]:
+            raise RuntimeError(f"shard of {tuple(p.shape)} on rank {me} of {n} is {tuple(u.shape)}, expected "
+                               f"{sizes[i][me]} on dim {dims[i]}")
+    for t in range(max(len(o) for o in owned)):
+        slot = [o[t] if t < len(o) else None for o in owned]  # the item rank r owns this round
+        send = [items[j][1].reshape(-1) if j is not None else items[0][1].new_empty(0) for j in slot]
+        in_splits = [s.numel() for s in send]
+        mine = slot[me]
+        shard_shapes = []
+        if mine is not None:
+            p, u = items[mine]
+            for size in sizes[mine]:
+                shape = list(p.shape)
+                shape[dims[mine]] = size
+                shard_shapes.append(shape)
+        out_splits = [math.prod(s) for s in shard_shapes] if mine is not None else [0] * n
+        recv = items[0][1].new_empty(sum(out_splits))
+        dist.all_to_all_single(recv, torch.cat(send), out_splits, in_splits, group=group)
+        del send
+        back = [items[0][1].new_empty(0)] * n
+        if mine is not None:
+            full = torch.cat([c.view(s) for c, s in zip(recv.split(out_splits), shard_shapes)], dim=dims[mine])
+            result = newton_schulz(full, *args)
+            del full
+            back = [c.contiguous().reshape(-1) for c in result.split(sizes[mine], dim=dims[mine])]
+        del recv
+        returned = items[0][1].new_empty(sum(in_splits))
+        dist.all_to_all_single(returned, torch.cat(back), in_splits, out_splits, group=group)
+        for j, c in zip(slot, returned.split(in_splits)):
+            if j is not None:
+                out[j] = c.view(items[j][1].shape)
+    return out
+
+
+def _gathered(p: DTensor, update: torch.Tensor, args: tuple) -> torch.Tensor:
+    """Newton-Schulz of a parameter sharded over several mesh dims: the update all-gathered over the
+    parameter's own mesh (`full_tensor()`), orthogonalised on every rank alike, and this rank's slice kept."""
+    mesh, placements = p.device_mesh, p.placements
+    full = DTensor.from_local(update, mesh, placements, shape=p.shape, stride=p.stride()).full_tensor()
+    out = newton_schulz(full, *args)
+    del full
+    # Replicate -> the parameter's placements is a local slice on every rank (no communication).
+    return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False) \
+        .redistribute(mesh, placements).to_local()
