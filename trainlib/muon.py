@@ -18,20 +18,29 @@ trainlib's one-pass AdamW (trainlib.adamw: fp32 moments, `step`, `exp_avg`,
 
 Distribution. Momentum, weight decay and the final update are elementwise and
 run on each rank's shard as the parameter lives (FSDP, TP, EP DTensors).
-Newton-Schulz needs the whole matrix:
-  - a 3-D expert weight sharded only on its expert dim (EP; FSDP over efsdp on
-    top) holds whole experts: each rank orthogonalises its own experts, no
-    communication;
-  - any other DTensor is all-gathered over its own mesh (`full_tensor()`: the
-    collectives of its placements, never the world), orthogonalised, and each
-    rank keeps its own shard of the result (a local slice). Every rank of the
-    mesh runs the same Newton-Schulz on the same matrix, so the shards agree
-    bitwise with each other and with one process.
-Bound: a rank holds one full matrix (one parameter's [E, A, B] for experts under
-TP) at a time, plus Newton-Schulz's temporaries (three matrices of that size).
-Not yet: owner ranks (each matrix orthogonalised once, by a rank chosen by size
-across its shard group, and scattered back); today the gather is replicated and
-the Newton-Schulz compute is repeated on every rank of the shard group.
+Newton-Schulz needs the whole matrix; every collective goes through the
+parameter's own DTensor mesh (a dim's group of it), never the world:
+  - whole already: a plain tensor, a replicated DTensor, or a 3-D expert
+    weight split only on its expert dim (EP, and FSDP over efsdp on top: whole
+    experts per rank) is orthogonalised where it is, per expert, no traffic;
+  - sharded over one mesh dim (FSDP's dp_shard, TP's tp, HSDP's shard dim with
+    the replicas each doing their own): each matrix has one owner rank in that
+    dim's group, owners balanced by size (largest first, to the least loaded),
+    and the group works in rounds of one owned matrix per rank: one
+    all-to-all sends every shard to its owner, the owner orthogonalises the
+    whole matrix, a second all-to-all returns each rank its slice. Each
+    matrix is orthogonalised exactly once per step per group that shards it;
+  - sharded over two or more mesh dims (FSDP x TP, strided shards): gathered
+    whole over its mesh (`full_tensor()`) and orthogonalised on every rank of
+    the mesh alike (repeated compute: owners over several dims are not built).
+The same Newton-Schulz of the same matrix on any rank: the shards agree
+bitwise with one process (tests/distributed/test_muon.py, trainlib.parity).
+Bound on full matrices per rank at once: in an owner round, the one it owns
+plus Newton-Schulz's temporaries (the [min(A,B)]^2 Gram matrix and its square,
+and the iterate), and its outgoing shards (at most one whole matrix's worth);
+a gathered parameter: that one matrix (for experts under TP, the whole
+[E, A, B] stack). The updates of a param group are held as shards (one
+parameter-sized copy of the group) until its matrices are done.
 
 The clip's scale and the guard's found_inf (trainlib.parallel.grad,
 trainlib.guard) are read on the device, as by torch's fused AdamW: `grad_scale`
