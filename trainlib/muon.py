@@ -94,6 +94,36 @@ def adjusted_lr(lr: float, adjust: str, shape: torch.Size) -> float:
     return lr * math.sqrt(max(1.0, rows / cols))
 
 
+def step_cost(params: list[torch.Tensor], ns_steps: int) -> tuple[float, float]:
+    """(Newton-Schulz FLOPs, bytes sent) of one rank's step over its Muon `params` (each counted as often as
+    listed), as `Muon._orthogonalize` routes them: a matrix [A, B] with m = min(A, B), n = max(A, B) costs
+    ns_steps x (4 m^2 n + 2 m^3) FLOPs (the Gram matrix, its square, the product with the iterate); a whole
+    one where it is, an owner's share (1 / the group's size) of one sharded over one mesh dim, whose shards
+    also travel to the owners and back (twice its local bytes, less its own part), and every rank's full
+    compute of one gathered over several dims, plus its ring all-gather."""
+    flops = sent = 0.0
+    for p in params:
+        a, b = p.shape[-2], p.shape[-1]
+        m, n = min(a, b), max(a, b)
+        per = ns_steps * (4 * m * m * n + 2 * m ** 3) * (p.shape[0] if p.ndim == 3 else 1)
+        local = _local(p)
+        nbytes = local.numel() * local.element_size()
+        sharded = [k for k, pl in enumerate(p.placements) if not pl.is_replicate()] if isinstance(p, DTensor) else []
+        if not sharded:
+            flops += per
+        elif _whole_experts(p):
+            flops += per * local.shape[0] / p.shape[0]
+        elif len(sharded) == 1:
+            size = p.device_mesh.size(sharded[0])
+            flops += per / size
+            sent += 2 * nbytes * (size - 1) / size
+        else:
+            size = math.prod(p.device_mesh.size(k) for k in sharded)
+            flops += per
+            sent += nbytes * (size - 1)
+    return flops, sent
+
+
 def _whole_experts(p: DTensor) -> bool:
     """Whether each local shard of a 3-D expert weight holds whole experts: it is split on dim 0 only."""
     return p.ndim == 3 and all(pl.is_replicate() or (pl.is_shard() and pl.dim == 0) for pl in p.placements)

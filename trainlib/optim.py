@@ -15,6 +15,7 @@ from torch.optim.lr_scheduler import LambdaLR
 from trainlib.adamw import AdamW as OnePassAdamW
 from trainlib.models.config import PARAM_ROLES
 from trainlib.muon import Muon
+from trainlib.muon import step_cost as muon_step_cost
 from trainlib.params import canonical_name
 from trainlib.precision import LowPrecisionCopies
 from trainlib.sections import LRSchedulerConfig, MuonConfig, OptimizerConfig
@@ -73,6 +74,9 @@ class OptimizerKind:
     device_gate      (optimizer) -> whether its step reads `grad_scale` (the clip's, divides every gradient) and
                      `found_inf` (the guard's, > 0 withholds the whole update) on the device: then the clip and the
                      guard hand them over instead of acting on the host (trainlib.parallel.grad, trainlib.guard)
+    step_cost        (this rank's named parameters with roles, each as often as counted, cfg) -> (FLOPs, bytes
+                     sent) its step adds beyond the elementwise update the planner prices for every optimizer
+                     (trainlib.plan: Muon's Newton-Schulz and its shards' trips to their owners)
 
     A new optimizer: its module (the update, its builder and these declarations), one line in OPTIMIZERS and
     its name in OptimizerConfig.name's Literal (trainlib.sections, torch-free).
@@ -84,6 +88,7 @@ class OptimizerKind:
     hyper_parameters: tuple[str, ...]
     describe: Callable[[torch.optim.Optimizer, OptimizerConfig], str]
     device_gate: Callable[[torch.optim.Optimizer], bool]
+    step_cost: Callable[[list[NamedParam], OptimizerConfig], tuple[float, float]] = lambda named, cfg: (0.0, 0.0)
 
 
 # ---- AdamW ------------------------------------------------------------------------------------------------------------
@@ -180,7 +185,9 @@ MUON = OptimizerKind(
     name="muon", build=_build_muon, state_bytes=_muon_state_bytes,
     hyper_parameters=("algorithm", "betas", "eps", "weight_decay", "momentum", "nesterov", "ns_steps",
                       "ns_coefficients", "ns_eps", "adjust_lr", "ns_dtype"),
-    describe=_describe_muon, device_gate=lambda optimizer: True)
+    describe=_describe_muon, device_gate=lambda optimizer: True,
+    step_cost=lambda named, cfg: muon_step_cost([n.param for n in named if n.role in cfg.muon.roles],
+                                                cfg.muon.ns_steps))
 
 
 # optimizer.name -> its declaration. A new optimizer: its module and one line here (and its name in

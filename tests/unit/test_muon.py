@@ -177,3 +177,15 @@ def test_muon_refuses_adamw_only_keys():
         OptimizerConfig(name="muon", implementation="fused")
     assert math.isclose(OptimizerConfig(name="muon").muon.momentum, 0.95)
     assert isinstance(build_optimizer([_model()], OptimizerConfig(name="muon")), Muon)
+
+
+def test_the_planner_prices_muons_state_compute_and_traffic():
+    from trainlib.plan import make_plan
+
+    plans = {name: make_plan("debug", 2, overrides=[f"optimizer.name={name}", "parallelism.dp_shard=2"])
+             for name in ("adamw", "muon")}
+    adamw, muon = (plans[k] for k in ("adamw", "muon"))
+    state = {k: p.stages[0].memory["optimizer"] for k, p in plans.items()}
+    assert state["muon"] < state["adamw"]  # one momentum buffer for the matrices instead of two moments
+    assert "optimizer" in muon.comm_bytes and "optimizer" not in adamw.comm_bytes  # shards to owners and back
+    assert muon.step_work["gemm_flops"] > adamw.step_work["gemm_flops"]  # Newton-Schulz
