@@ -39,8 +39,8 @@ Bound on full matrices per rank at once: in an owner round, the one it owns
 plus Newton-Schulz's temporaries (the [min(A,B)]^2 Gram matrix and its square,
 and the iterate), and its outgoing shards (at most one whole matrix's worth);
 a gathered parameter: that one matrix (for experts under TP, the whole
-[E, A, B] stack). The updates of a param group are held as shards (one
-parameter-sized copy of the group) until its matrices are done.
+[E, A, B] stack). Updates are made (momentum, Nesterov) per parameter or per
+owner round, and applied at once after: never the whole group's at a time.
 
 The clip's scale and the guard's found_inf (trainlib.parallel.grad,
 trainlib.guard) are read on the device, as by torch's fused AdamW: `grad_scale`
@@ -96,7 +96,7 @@ def adjusted_lr(lr: float, adjust: str, shape: torch.Size) -> float:
 
 def step_cost(params: list[torch.Tensor], ns_steps: int) -> tuple[float, float]:
     """(Newton-Schulz FLOPs, bytes sent) of one rank's step over its Muon `params` (each counted as often as
-    listed), as `Muon._orthogonalize` routes them: a matrix [A, B] with m = min(A, B), n = max(A, B) costs
+    listed), as `Muon._muon_group` routes them: a matrix [A, B] with m = min(A, B), n = max(A, B) costs
     ns_steps x (4 m^2 n + 2 m^3) FLOPs (the Gram matrix, its square, the product with the iterate); a whole
     one where it is, an owner's share (1 / the group's size) of one sharded over one mesh dim, whose shards
     also travel to the owners and back (twice its local bytes, less its own part), and every rank's full
@@ -170,55 +170,54 @@ class Muon(AdamW):
         return loss
 
     def _muon_group(self, group: dict) -> None:
-        mu, nesterov, lr, wd = group["momentum"], group["nesterov"], group["lr"], group["weight_decay"]
-        items = []  # (parameter, its local shard, the momentum's, the new momentum, this rank's shard of the update)
+        """Each parameter's update (`_prepare`), its Newton-Schulz as routed (module docstring), and the
+        step (`_finish`), one parameter (or one owner round) at a time: a rank holds the updates of at most
+        one round's matrices at once."""
+        args = (tuple(group["ns_coefficients"]), group["ns_steps"], group["ns_eps"], NS_DTYPES[group["ns_dtype"]])
+        buckets: dict[tuple, list[torch.Tensor]] = {}  # (mesh, mesh dim, dtype) -> parameters, in their order
         for p in group["params"]:
             if p.grad is None:
                 continue
-            g = p.grad
-            if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
-                g = g.redistribute(p.device_mesh, p.placements)
-            state = self.state[p]
-            if "momentum_buffer" not in state:
-                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            local, grad, buf = _local(p), _local(g), _local(state["momentum_buffer"])
-            if self.grad_scale is not None:
-                grad = grad / self.grad_scale.to(grad.device)
-            new_buf = buf.lerp(grad, 1 - mu)
-            items.append((p, local, buf, new_buf, grad.lerp(new_buf, mu) if nesterov else new_buf))
-        updates = self._orthogonalize([(p, u) for p, _, _, _, u in items], group)
-        for (p, local, buf, new_buf, _), update in zip(items, updates):
-            keep = None if self.found_inf is None else self.found_inf.to(local.device) > 0
-            new = local.mul(1 - lr * wd)
-            new.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape))
-            if keep is None:
-                buf.copy_(new_buf)
-                local.copy_(new)
-            else:
-                buf.copy_(torch.where(keep, buf, new_buf))
-                local.copy_(torch.where(keep, local, new))
-
-    def _orthogonalize(self, items: list[tuple[torch.Tensor, torch.Tensor]], group: dict) -> list[torch.Tensor]:
-        """Newton-Schulz of each parameter's update, given and returned as this rank's shard of it: locally
-        for whole matrices (plain tensors, replicated DTensors, experts split on their expert dim), by
-        owner ranks for a DTensor sharded over one mesh dim (`_owner_rounds`), else gathered whole on every
-        rank of its mesh (`_gathered`)."""
-        args = (tuple(group["ns_coefficients"]), group["ns_steps"], group["ns_eps"], NS_DTYPES[group["ns_dtype"]])
-        out: list[torch.Tensor | None] = [None] * len(items)
-        buckets: dict[tuple, list[int]] = {}  # (mesh, mesh dim, dtype) -> items, in the parameters' order
-        for i, (p, u) in enumerate(items):
             sharded = [(k, pl) for k, pl in enumerate(p.placements) if not pl.is_replicate()] \
                 if isinstance(p, DTensor) else []
-            if not sharded or _whole_experts(p):
-                out[i] = newton_schulz(u, *args)
-            elif len(sharded) == 1 and type(sharded[0][1]) is Shard:
-                buckets.setdefault((p.device_mesh, sharded[0][0], u.dtype), []).append(i)
-            else:
-                out[i] = _gathered(p, u, args)
-        for (mesh, k, _), idx in buckets.items():
-            for i, o in zip(idx, _owner_rounds(mesh, k, [items[i] for i in idx], args)):
-                out[i] = o
-        return out
+            if sharded and not _whole_experts(p) and len(sharded) == 1 and type(sharded[0][1]) is Shard:
+                buckets.setdefault((p.device_mesh, sharded[0][0], _local(p).dtype), []).append(p)
+                continue
+            prep = self._prepare(p, group)
+            update = newton_schulz(prep[-1], *args) if not sharded or _whole_experts(p) else \
+                _gathered(p, prep[-1], args)
+            self._finish(p, prep, update, group)
+        for (mesh, k, _), params in buckets.items():
+            _owner_rounds(mesh, k, params, args, lambda p: self._prepare(p, group),
+                          lambda p, prep, update: self._finish(p, prep, update, group))
+
+    def _prepare(self, p: torch.Tensor, group: dict) -> tuple[torch.Tensor, ...]:
+        """(this rank's shard of p, of its momentum, the new momentum, this rank's shard of the update)."""
+        g = p.grad
+        if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+            g = g.redistribute(p.device_mesh, p.placements)
+        state = self.state[p]
+        if "momentum_buffer" not in state:
+            state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        local, grad, buf = _local(p), _local(g), _local(state["momentum_buffer"])
+        if self.grad_scale is not None:
+            grad = grad / self.grad_scale.to(grad.device)
+        new_buf = buf.lerp(grad, 1 - group["momentum"])
+        return local, buf, new_buf, grad.lerp(new_buf, group["momentum"]) if group["nesterov"] else new_buf
+
+    def _finish(self, p: torch.Tensor, prep: tuple[torch.Tensor, ...], update: torch.Tensor, group: dict) -> None:
+        """Weight decay and the orthogonalised step on this rank's shard, withheld where found_inf says so."""
+        local, buf, new_buf, _ = prep
+        lr = group["lr"]
+        new = local.mul(1 - lr * group["weight_decay"])
+        new.add_(update, alpha=-adjusted_lr(lr, group["adjust_lr"], p.shape))
+        if self.found_inf is None:
+            buf.copy_(new_buf)
+            local.copy_(new)
+        else:
+            keep = self.found_inf.to(local.device) > 0
+            buf.copy_(torch.where(keep, buf, new_buf))
+            local.copy_(torch.where(keep, local, new))
 
 
 def _chunk_sizes(length: int, n: int) -> list[int]:
@@ -238,49 +237,50 @@ def _owners(sizes: list[int], n: int) -> list[list[int]]:
     return owned
 
 
-def _owner_rounds(mesh, k: int, items: list[tuple[DTensor, torch.Tensor]], args: tuple) -> list[torch.Tensor]:
-    """Newton-Schulz of updates whose parameters are sharded over mesh dim `k` only (plain Shard(d)):
+def _owner_rounds(mesh, k: int, params: list[DTensor], args: tuple, prepare, finish) -> None:
+    """Newton-Schulz of the updates of `params`, each sharded over mesh dim `k` only (plain Shard(d)):
     each matrix by one owner rank of that dim's group (`_owners`), in rounds of one matrix per rank; a
-    round's shards go to their owners in one all-to-all over the group, and the results' slices back in
-    another. A rank holds at most one whole matrix of its own per round, plus its shards in flight."""
+    round's update shards (`prepare(p)`, its last item) go to their owners in one all-to-all over the
+    group, and the results' slices come back in another, to `finish(p, prepared, result shard)`. A rank
+    holds one whole matrix of its own per round, and the shards of that round's matrices."""
     group, n, me = mesh.get_group(k), mesh.size(k), mesh.get_local_rank(k)
-    owned = _owners([p.numel() for p, _ in items], n)
-    out: list[torch.Tensor | None] = [None] * len(items)
-    dims = [p.placements[k].dim for p, _ in items]
-    sizes = [_chunk_sizes(p.shape[d], n) for (p, _), d in zip(items, dims)]
-    for i, (p, u) in enumerate(items):
-        if u.shape[dims[i]] != sizes[i][me]:
-            raise RuntimeError(f"shard of {tuple(p.shape)} on rank {me} of {n} is {tuple(u.shape)}, expected "
-                               f"{sizes[i][me]} on dim {dims[i]}")
+    owned = _owners([p.numel() for p in params], n)
+    dims = [p.placements[k].dim for p in params]
+    sizes = [_chunk_sizes(p.shape[d], n) for p, d in zip(params, dims)]
     for t in range(max(len(o) for o in owned)):
-        slot = [o[t] if t < len(o) else None for o in owned]  # the item rank r owns this round
-        send = [items[j][1].reshape(-1) if j is not None else items[0][1].new_empty(0) for j in slot]
+        slot = [o[t] if t < len(o) else None for o in owned]  # the parameter rank r owns this round
+        prepared = {j: prepare(params[j]) for j in slot if j is not None}
+        for j, prep in prepared.items():
+            if prep[-1].shape[dims[j]] != sizes[j][me]:
+                raise RuntimeError(f"shard of {tuple(params[j].shape)} on rank {me} of {n} is "
+                                   f"{tuple(prep[-1].shape)}, expected {sizes[j][me]} on dim {dims[j]}")
+        empty = next(iter(prepared.values()))[-1].new_empty(0)
+        send = [prepared[j][-1].reshape(-1) if j is not None else empty for j in slot]
         in_splits = [s.numel() for s in send]
         mine = slot[me]
         shard_shapes = []
         if mine is not None:
-            p, u = items[mine]
             for size in sizes[mine]:
-                shape = list(p.shape)
+                shape = list(params[mine].shape)
                 shape[dims[mine]] = size
                 shard_shapes.append(shape)
         out_splits = [math.prod(s) for s in shard_shapes] if mine is not None else [0] * n
-        recv = items[0][1].new_empty(sum(out_splits))
+        recv = empty.new_empty(sum(out_splits))
         dist.all_to_all_single(recv, torch.cat(send), out_splits, in_splits, group=group)
         del send
-        back = [items[0][1].new_empty(0)] * n
+        back = [empty] * n
         if mine is not None:
             full = torch.cat([c.view(s) for c, s in zip(recv.split(out_splits), shard_shapes)], dim=dims[mine])
             result = newton_schulz(full, *args)
             del full
             back = [c.contiguous().reshape(-1) for c in result.split(sizes[mine], dim=dims[mine])]
         del recv
-        returned = items[0][1].new_empty(sum(in_splits))
+        returned = empty.new_empty(sum(in_splits))
         dist.all_to_all_single(returned, torch.cat(back), in_splits, out_splits, group=group)
+        del back
         for j, c in zip(slot, returned.split(in_splits)):
             if j is not None:
-                out[j] = c.view(items[j][1].shape)
-    return out
+                finish(params[j], prepared[j], c.view(prepared[j][-1].shape))
 
 
 def _gathered(p: DTensor, update: torch.Tensor, args: tuple) -> torch.Tensor:
