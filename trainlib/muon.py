@@ -57,6 +57,8 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from trainlib.adamw import AdamW, _local
+from trainlib.optimizer_kind import NamedParam, OptimizerKind, adamw_groups, adamw_state_bytes
+from trainlib.sections import OptimizerConfig
 
 NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -293,3 +295,52 @@ def _gathered(p: DTensor, update: torch.Tensor, args: tuple) -> torch.Tensor:
     # Replicate -> the parameter's placements is a local slice on every rank (no communication).
     return DTensor.from_local(out, mesh, [Replicate()] * mesh.ndim, run_check=False) \
         .redistribute(mesh, placements).to_local()
+
+
+# ---- the declaration (trainlib.optim.OPTIMIZERS["muon"]) -------------------------------------------------------------
+
+def resolve_ns_dtype(cfg: OptimizerConfig, params) -> str:
+    """`optimizer.muon.ns_dtype` with "auto" resolved: bfloat16 when every parameter is on CUDA, else float32."""
+    if cfg.muon.ns_dtype != "auto":
+        return cfg.muon.ns_dtype
+    params = list(params)
+    return "bfloat16" if params and all(p.device.type == "cuda" for p in params) else "float32"
+
+
+def build(named: list[NamedParam], cfg: OptimizerConfig, weight_copies) -> Muon:
+    """One Muon over the parameters of `optimizer.muon.roles` and AdamW groups (as trainlib.optim's AdamW
+    makes them: decay but on norms and biases) over the rest. The weight copies refresh themselves
+    (trainlib.precision)."""
+    m = cfg.muon
+    on_muon = [n for n in named if n.role in m.roles]
+    groups = [{"params": [n.param for n in on_muon], "algorithm": "muon", "weight_decay": cfg.weight_decay}]
+    groups = [g for g in groups if g["params"]]
+    groups += [{**g, "algorithm": "adamw"} for g in adamw_groups([n for n in named if n.role not in m.roles],
+                                                                 cfg.weight_decay)]
+    return Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
+                momentum=m.momentum, nesterov=m.nesterov, ns_steps=m.ns_steps,
+                ns_coefficients=tuple(m.ns_coefficients), ns_eps=m.eps, adjust_lr=m.adjust_lr,
+                ns_dtype=resolve_ns_dtype(cfg, (n.param for n in on_muon)))
+
+
+def _state_bytes(role: str, numel: int, elem: int, cfg: OptimizerConfig) -> int:
+    # A Muon matrix keeps one momentum buffer like the parameter; the rest AdamW's state.
+    return numel * elem if role in cfg.muon.roles else adamw_state_bytes(role, numel, elem, cfg)
+
+
+def _describe(optimizer: Muon, cfg: OptimizerConfig) -> str:
+    m = cfg.muon
+    n_muon = sum(len(g["params"]) for g in optimizer.param_groups if g["algorithm"] == "muon")
+    n_adamw = sum(len(g["params"]) for g in optimizer.param_groups if g["algorithm"] == "adamw")
+    return (f"muon on {n_muon} tensors ({', '.join(m.roles)}; {m.ns_steps} Newton-Schulz steps in "
+            f"{optimizer.defaults['ns_dtype']}{' (auto)' if m.ns_dtype == 'auto' else ''}, lr {m.adjust_lr}), "
+            f"adamw on {n_adamw}")
+
+
+MUON = OptimizerKind(
+    name="muon", build=build, state_bytes=_state_bytes,
+    hyper_parameters=("algorithm", "betas", "eps", "weight_decay", "momentum", "nesterov", "ns_steps",
+                      "ns_coefficients", "ns_eps", "adjust_lr", "ns_dtype"),
+    describe=_describe, device_gate=lambda optimizer: True,  # grad_scale and found_inf, on the device
+    step_cost=lambda named, cfg: step_cost([n.param for n in named if n.role in cfg.muon.roles],
+                                           cfg.muon.ns_steps))

@@ -5,8 +5,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
-from typing import NamedTuple
+from dataclasses import replace
 
 import torch
 from torch import nn
@@ -14,11 +13,15 @@ from torch.optim.lr_scheduler import LambdaLR
 
 from trainlib.adamw import AdamW as OnePassAdamW
 from trainlib.models.config import PARAM_ROLES
-from trainlib.muon import Muon
-from trainlib.muon import step_cost as muon_step_cost
+from trainlib.muon import MUON
+from trainlib.optimizer_kind import NamedParam, OptimizerKind, adamw_groups, adamw_state_bytes
 from trainlib.params import canonical_name
 from trainlib.precision import LowPrecisionCopies
 from trainlib.sections import LRSchedulerConfig, MuonConfig, OptimizerConfig
+
+__all__ = ["OPTIMIZERS", "LRSchedulerConfig", "MuonConfig", "NamedParam", "OptimizerConfig", "OptimizerKind",
+           "build_lr_scheduler", "build_optimizer", "fused_on", "implementation_of", "kind_of", "named_params",
+           "resolve_implementation"]
 
 
 def resolve_implementation(implementation: str, params: Iterable[torch.Tensor], state_dtype: str = "float32",
@@ -52,61 +55,6 @@ def implementation_of(optimizer: torch.optim.Optimizer) -> str:
     return "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
 
 
-class NamedParam(NamedTuple):
-    """A parameter as the optimizer builder receives it: its canonical name (the checkpoint key), the
-    parameter, and its role (trainlib.models.config.PARAM_ROLES, from ModelSpec.param_role)."""
-
-    name: str
-    param: torch.Tensor
-    role: str
-
-
-@dataclass(frozen=True)
-class OptimizerKind:
-    """What one `optimizer.name` declares; the runtime reads it instead of assuming AdamW.
-
-    build            (named parameters with roles, its OptimizerConfig, the weight copies or None) -> optimizer
-    state_bytes      (role, numel, element size in bytes, cfg) -> bytes of optimizer state this parameter's shard
-                     adds (the planner, trainlib.plan.memory)
-    hyper_parameters the param-group keys a checkpoint records and a resume compares with the run's own
-                     (trainlib.checkpoint.state.OptimizerState); the lr is the schedule's
-    describe         (optimizer, cfg) -> the start-up line's optimizer part (trainlib.build.describe_choices)
-    device_gate      (optimizer) -> whether its step reads `grad_scale` (the clip's, divides every gradient) and
-                     `found_inf` (the guard's, > 0 withholds the whole update) on the device: then the clip and the
-                     guard hand them over instead of acting on the host (trainlib.parallel.grad, trainlib.guard)
-    step_cost        (this rank's named parameters with roles, each as often as counted, cfg) -> (FLOPs, bytes
-                     sent) its step adds beyond the elementwise update the planner prices for every optimizer
-                     (trainlib.plan: Muon's Newton-Schulz and its shards' trips to their owners)
-
-    A new optimizer: its module (the update, its builder and these declarations), one line in OPTIMIZERS and
-    its name in OptimizerConfig.name's Literal (trainlib.sections, torch-free).
-    """
-
-    name: str
-    build: Callable[[list[NamedParam], OptimizerConfig, LowPrecisionCopies | None], torch.optim.Optimizer]
-    state_bytes: Callable[[str, int, int, OptimizerConfig], int]
-    hyper_parameters: tuple[str, ...]
-    describe: Callable[[torch.optim.Optimizer, OptimizerConfig], str]
-    device_gate: Callable[[torch.optim.Optimizer], bool]
-    step_cost: Callable[[list[NamedParam], OptimizerConfig], tuple[float, float]] = lambda named, cfg: (0.0, 0.0)
-
-
-# ---- AdamW ------------------------------------------------------------------------------------------------------------
-
-# Weight decay applies to matrices only: decaying norm gains and biases pulls them towards zero, which only
-# hurts. The embedding and the head decay (they are matrices: the ndim rule trainlib always had).
-ADAMW_NO_DECAY = ("norm", "bias")
-STATE_BYTES = {"float32": 4, "bfloat16": 2}
-
-
-def adamw_groups(named: list[NamedParam], weight_decay: float) -> list[dict]:
-    """AdamW's two param groups, in the parameters' order: decayed, then not decayed (empty ones left out)."""
-    decay = [n.param for n in named if n.role not in ADAMW_NO_DECAY]
-    no_decay = [n.param for n in named if n.role in ADAMW_NO_DECAY]
-    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    return [g for g in groups if g["params"]]
-
-
 def _adamw(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     impl = resolve_implementation(cfg.implementation, (p for g in groups for p in g["params"]), cfg.state_dtype)
     if impl == "compiled":
@@ -126,72 +74,20 @@ def _build_adamw(named: list[NamedParam], cfg: OptimizerConfig,
     return optimizer
 
 
-def _adamw_state_bytes(role: str, numel: int, elem: int, cfg: OptimizerConfig) -> int:
-    # exp_avg and exp_avg_sq in optimizer.state_dtype, and a 4-byte fp32 `step` per parameter.
-    return 2 * numel * STATE_BYTES[cfg.state_dtype] + 4
-
-
 def _adamw_device_gate(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, OnePassAdamW) or all(g.get("fused") for g in optimizer.param_groups)
 
 
 ADAMW = OptimizerKind(
-    name="adamw", build=_build_adamw, state_bytes=_adamw_state_bytes,
+    name="adamw", build=_build_adamw, state_bytes=adamw_state_bytes,
     hyper_parameters=("betas", "eps", "weight_decay", "amsgrad", "maximize"),
     describe=lambda optimizer, cfg: f"adamw {implementation_of(optimizer)}"
                                     + (" (auto)" if cfg.implementation == "auto" else ""),
     device_gate=_adamw_device_gate)
 
 
-# ---- Muon (trainlib.muon) ---------------------------------------------------------------------------------------------
-
-def ns_dtype(cfg: OptimizerConfig, params: Iterable[torch.Tensor]) -> str:
-    """`optimizer.muon.ns_dtype` with "auto" resolved: bfloat16 when every parameter is on CUDA, else float32."""
-    if cfg.muon.ns_dtype != "auto":
-        return cfg.muon.ns_dtype
-    params = list(params)
-    return "bfloat16" if params and all(p.device.type == "cuda" for p in params) else "float32"
-
-
-def _build_muon(named: list[NamedParam], cfg: OptimizerConfig,
-                weight_copies: LowPrecisionCopies | None) -> torch.optim.Optimizer:
-    m = cfg.muon
-    on_muon = [n for n in named if n.role in m.roles]
-    groups = [{"params": [n.param for n in on_muon], "algorithm": "muon", "weight_decay": cfg.weight_decay}]
-    groups = [g for g in groups if g["params"]]
-    groups += [{**g, "algorithm": "adamw"} for g in adamw_groups([n for n in named if n.role not in m.roles],
-                                                                 cfg.weight_decay)]
-    return Muon(groups, lr=cfg.lr, weight_decay=cfg.weight_decay, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps,
-                momentum=m.momentum, nesterov=m.nesterov, ns_steps=m.ns_steps,
-                ns_coefficients=tuple(m.ns_coefficients), ns_eps=m.eps, adjust_lr=m.adjust_lr,
-                ns_dtype=ns_dtype(cfg, (n.param for n in on_muon)))
-
-
-def _muon_state_bytes(role: str, numel: int, elem: int, cfg: OptimizerConfig) -> int:
-    # A Muon matrix keeps one momentum buffer like the parameter; the rest AdamW's state.
-    return numel * elem if role in cfg.muon.roles else _adamw_state_bytes(role, numel, elem, cfg)
-
-
-def _describe_muon(optimizer: torch.optim.Optimizer, cfg: OptimizerConfig) -> str:
-    m = cfg.muon
-    n_muon = sum(len(g["params"]) for g in optimizer.param_groups if g["algorithm"] == "muon")
-    n_adamw = sum(len(g["params"]) for g in optimizer.param_groups if g["algorithm"] == "adamw")
-    return (f"muon on {n_muon} tensors ({', '.join(m.roles)}; {m.ns_steps} Newton-Schulz steps in "
-            f"{optimizer.defaults['ns_dtype']}{' (auto)' if m.ns_dtype == 'auto' else ''}, lr {m.adjust_lr}), "
-            f"adamw on {n_adamw}")
-
-
-MUON = OptimizerKind(
-    name="muon", build=_build_muon, state_bytes=_muon_state_bytes,
-    hyper_parameters=("algorithm", "betas", "eps", "weight_decay", "momentum", "nesterov", "ns_steps",
-                      "ns_coefficients", "ns_eps", "adjust_lr", "ns_dtype"),
-    describe=_describe_muon, device_gate=lambda optimizer: True,
-    step_cost=lambda named, cfg: muon_step_cost([n.param for n in named if n.role in cfg.muon.roles],
-                                                cfg.muon.ns_steps))
-
-
-# optimizer.name -> its declaration. A new optimizer: its module and one line here (and its name in
-# OptimizerConfig.name's Literal).
+# optimizer.name -> its declaration (trainlib.optimizer_kind.OptimizerKind). A new optimizer: its module
+# (the update and its declaration) and one line here (and its name in OptimizerConfig.name's Literal).
 OPTIMIZERS: dict[str, OptimizerKind] = {"adamw": ADAMW, "muon": MUON}
 
 

@@ -26,7 +26,7 @@ ROOT = Path(trainlib.__file__).parent
 # checkpoint.bench, can sit above its package).
 LAYERS = [
     ("core: single-process parts, each usable alone",
-     ["trainlib.errors", "trainlib.compat", "trainlib.guard", "trainlib.config.loader", "trainlib.config.cli", "trainlib.config.recipes", "trainlib.launch", "trainlib.hardware", "trainlib.loss", "trainlib.distributed", "trainlib.metrics", "trainlib.profiling",
+     ["trainlib.errors", "trainlib.compat", "trainlib.guard", "trainlib.optimizer_kind", "trainlib.config.loader", "trainlib.config.cli", "trainlib.config.recipes", "trainlib.launch", "trainlib.hardware", "trainlib.loss", "trainlib.distributed", "trainlib.metrics", "trainlib.profiling",
       "trainlib.resilience",
       "trainlib.optim", "trainlib.adamw", "trainlib.muon", "trainlib.precision", "trainlib.float8", "trainlib.data", "trainlib.data.*", "trainlib.models",
       "trainlib.params", "trainlib.models.layers", "trainlib.models.moe", "trainlib.models.spec", "trainlib.models.*.model", "trainlib.models.*.state_dict_adapter",

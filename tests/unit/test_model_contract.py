@@ -22,7 +22,7 @@ from trainlib.models.registry import MODELS
 ROOT = Path(trainlib.__file__).parent
 GENERIC = [*sorted((ROOT / "parallel").glob("*.py")), *sorted((ROOT / "plan").glob("*.py")),
            *sorted((ROOT / "checkpoint").glob("*.py")), *sorted((ROOT / "config").glob("*.py")),
-           *(ROOT / name for name in ("train.py", "validation.py", "build.py", "loss.py", "optim.py", "adamw.py", "muon.py",
+           *(ROOT / name for name in ("train.py", "validation.py", "build.py", "loss.py", "optim.py", "optimizer_kind.py", "adamw.py", "muon.py",
                                       "precision.py", "convert.py", "parity.py", "float8.py", "metrics.py", "sections.py",
                                       "guard.py"))]
 # Named by the contract itself: the blocks' ModuleDict; `moe`, the [moe] recipe section and the args field an
