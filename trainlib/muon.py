@@ -28,18 +28,27 @@ parameter's own DTensor mesh (a dim's group of it), never the world:
     dim's group, owners balanced by size (largest first, to the least loaded),
     and the group works in rounds of one owned matrix per rank: one
     all-to-all sends every shard to its owner, the owner orthogonalises the
-    whole matrix, a second all-to-all returns each rank its slice. Each
-    matrix is orthogonalised exactly once per step per group that shards it;
-  - sharded over two or more mesh dims (FSDP x TP, strided shards): gathered
-    whole over its mesh (`full_tensor()`) and orthogonalised on every rank of
-    the mesh alike (repeated compute: owners over several dims are not built).
-The same Newton-Schulz of the same matrix on any rank: the shards agree
-bitwise with one process (tests/distributed/test_muon.py, trainlib.parity).
+    whole matrix, a second all-to-all returns each rank its slice
+    (`_owner_rounds`);
+  - sharded over two mesh dims as FSDP2 shards a TP shard (FSDP2 x TP: the
+    strided dim-0 shard of a column-wise weight, Shard(0) x Shard(1) of a
+    row-wise one): owners over all ranks of both dims, the FSDP shards
+    all-to-all'd to the owner's coordinate on the FSDP dim (which then holds
+    TP shards whole), those to the owner over the TP dim, and back the same
+    way (`_owner_rounds_2d`);
+  - any other layout (DTensor's own left-to-right Shard x Shard of one dim,
+    three sharded dims; none of trainlib's layouts): gathered whole over its mesh
+    (`full_tensor()`) and orthogonalised on every rank of the mesh alike.
+Each matrix on an owner path is orthogonalised exactly once per step per
+group that shards it.
+Whichever rank runs it, it is the same Newton-Schulz of the same matrix:
+each shard of the result is what one process computes for it
+(tests/distributed/test_muon.py; the curves, trainlib.parity).
 Bound on full matrices per rank at once: in an owner round, the one it owns
 plus Newton-Schulz's temporaries (the [min(A,B)]^2 Gram matrix and its square,
-and the iterate), and its outgoing shards (at most one whole matrix's worth);
-a gathered parameter: that one matrix (for experts under TP, the whole
-[E, A, B] stack). Updates are made (momentum, Nesterov) per parameter or per
+and the iterate), and shards of that round's matrices (at most one whole
+matrix's worth; under FSDP2 x TP up to n_tp TP shards, one matrix's worth);
+a gathered parameter: that one matrix (an expert stack: the whole [E, A, B]). Updates are made (momentum, Nesterov) per parameter or per
 owner round, and applied at once after: never the whole group's at a time.
 
 The clip's scale and the guard's found_inf (trainlib.parallel.grad,
@@ -55,6 +64,7 @@ import math
 import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's layout of a TP shard
 
 from trainlib.adamw import AdamW, _local
 from trainlib.optimizer_kind import NamedParam, OptimizerKind, adamw_groups, adamw_state_bytes
@@ -100,9 +110,9 @@ def step_cost(params: list[torch.Tensor], ns_steps: int) -> tuple[float, float]:
     """(Newton-Schulz FLOPs, bytes sent) of one rank's step over its Muon `params` (each counted as often as
     listed), as `Muon._muon_group` routes them: a matrix [A, B] with m = min(A, B), n = max(A, B) costs
     ns_steps x (4 m^2 n + 2 m^3) FLOPs (the Gram matrix, its square, the product with the iterate); a whole
-    one where it is, an owner's share (1 / the group's size) of one sharded over one mesh dim, whose shards
-    also travel to the owners and back (twice its local bytes, less its own part), and every rank's full
-    compute of one gathered over several dims, plus its ring all-gather."""
+    one where it is, an owner's share (1 / the group's size) of one sharded over one mesh dim or over two as
+    FSDP2 x TP lays it out, whose shards also travel to the owners and back, and every rank's full compute
+    of one gathered over its mesh, plus the all-gather."""
     flops = sent = 0.0
     for p in params:
         a, b = p.shape[-2], p.shape[-1]
@@ -119,6 +129,11 @@ def step_cost(params: list[torch.Tensor], ns_steps: int) -> tuple[float, float]:
             size = p.device_mesh.size(sharded[0])
             flops += per / size
             sent += 2 * nbytes * (size - 1) / size
+        elif _nested_2d(p, [(k, p.placements[k]) for k in sharded]):
+            n1, n2 = (p.device_mesh.size(k) for k in sharded)
+            flops += per / (n1 * n2)
+            # FSDP shards to the owner's row and back, and (on one row in n1) the TP shards to the owner and back
+            sent += 2 * nbytes * ((n1 - 1) / n1 + (n2 - 1) / n2)
         else:
             size = math.prod(p.device_mesh.size(k) for k in sharded)
             flops += per
@@ -176,22 +191,31 @@ class Muon(AdamW):
         step (`_finish`), one parameter (or one owner round) at a time: a rank holds the updates of at most
         one round's matrices at once."""
         args = (tuple(group["ns_coefficients"]), group["ns_steps"], group["ns_eps"], NS_DTYPES[group["ns_dtype"]])
-        buckets: dict[tuple, list[torch.Tensor]] = {}  # (mesh, mesh dim, dtype) -> parameters, in their order
+        buckets: dict[tuple, list[torch.Tensor]] = {}  # (mesh, mesh dims, dtype) -> parameters, in their order
         for p in group["params"]:
             if p.grad is None:
                 continue
             sharded = [(k, pl) for k, pl in enumerate(p.placements) if not pl.is_replicate()] \
                 if isinstance(p, DTensor) else []
-            if sharded and not _whole_experts(p) and len(sharded) == 1 and type(sharded[0][1]) is Shard:
-                buckets.setdefault((p.device_mesh, sharded[0][0], _local(p).dtype), []).append(p)
-                continue
+            if sharded and not _whole_experts(p):
+                if len(sharded) == 1 and type(sharded[0][1]) is Shard:
+                    buckets.setdefault((p.device_mesh, (sharded[0][0],), _local(p).dtype), []).append(p)
+                    continue
+                if _nested_2d(p, sharded):
+                    buckets.setdefault((p.device_mesh, (sharded[0][0], sharded[1][0]), _local(p).dtype),
+                                       []).append(p)
+                    continue
             prep = self._prepare(p, group)
             update = newton_schulz(prep[-1], *args) if not sharded or _whole_experts(p) else \
                 _gathered(p, prep[-1], args)
             self._finish(p, prep, update, group)
-        for (mesh, k, _), params in buckets.items():
-            _owner_rounds(mesh, k, params, args, lambda p: self._prepare(p, group),
-                          lambda p, prep, update: self._finish(p, prep, update, group))
+        prepare = lambda p: self._prepare(p, group)  # noqa: E731
+        finish = lambda p, prep, update: self._finish(p, prep, update, group)  # noqa: E731
+        for (mesh, dims, _), params in buckets.items():
+            if len(dims) == 1:
+                _owner_rounds(mesh, dims[0], params, args, prepare, finish)
+            else:
+                _owner_rounds_2d(mesh, dims, params, args, prepare, finish)
 
     def _prepare(self, p: torch.Tensor, group: dict) -> tuple[torch.Tensor, ...]:
         """(this rank's shard of p, of its momentum, the new momentum, this rank's shard of the update)."""
@@ -283,6 +307,100 @@ def _owner_rounds(mesh, k: int, params: list[DTensor], args: tuple, prepare, fin
         for j, c in zip(slot, returned.split(in_splits)):
             if j is not None:
                 finish(params[j], prepared[j], c.view(prepared[j][-1].shape))
+
+
+def _nested_2d(p: DTensor, sharded: list) -> bool:
+    """Whether `p` is sharded over two mesh dims k1 < k2 as FSDP2 shards a TP shard: mesh dim k2 shards
+    the matrix on some dim d (Shard(d), TP), and mesh dim k1 shards that shard's dim 0 (FSDP2's
+    _StridedShard(0) when d is 0 too, a plain Shard(0) when d is another dim). Then rank (i, j)'s local
+    tensor is chunk i of dim 0 of T_j, T_j being chunk j of dim d of the matrix."""
+    if len(sharded) != 2 or p.ndim != 2:
+        return False
+    (k1, outer), (k2, inner) = sharded
+    if type(inner) is not Shard:
+        return False
+    if inner.dim == 0:
+        return isinstance(outer, _StridedShard) and outer.dim == 0 and outer.split_factor == p.device_mesh.size(k2)
+    return type(outer) is Shard and outer.dim == 0
+
+
+def _exchange(group, sends: list[list[torch.Tensor]], recv_numels: list[list[int]], empty: torch.Tensor
+              ) -> list[list[torch.Tensor]]:
+    """One all-to-all over `group`: sends[r] (tensors, flattened, in order) to rank r; returns, per source
+    rank, the flat tensors it sent this rank, of sizes recv_numels[source]."""
+    flat = [t.reshape(-1) for ts in sends for t in ts]
+    in_splits = [sum(t.numel() for t in ts) for ts in sends]
+    out_splits = [sum(ns) for ns in recv_numels]
+    recv = empty.new_empty(sum(out_splits))
+    dist.all_to_all_single(recv, torch.cat(flat) if flat else empty, out_splits, in_splits, group=group)
+    return [list(chunk.split(ns)) if ns else [] for chunk, ns in zip(recv.split(out_splits), recv_numels)]
+
+
+def _owner_rounds_2d(mesh, dims: tuple[int, int], params: list[DTensor], args: tuple, prepare, finish) -> None:
+    """`_owner_rounds` for matrices sharded over two mesh dims as FSDP2 x TP shards them (`_nested_2d`):
+    owners balanced over all n1 x n2 ranks of the two dims, rounds of one matrix per rank; in a round
+    each matrix's FSDP shards go to the owner's coordinate on dim k1 (one all-to-all over k1, giving the
+    TP shards whole), those go to the owner over k2 (one over k2), and the results come back the same
+    way. Besides its own whole matrix, a rank holds at most n2 TP shards (one matrix's worth) per round."""
+    k1, k2 = dims
+    g1, g2 = mesh.get_group(k1), mesh.get_group(k2)
+    n1, n2 = mesh.size(k1), mesh.size(k2)
+    me1, me2 = mesh.get_local_rank(k1), mesh.get_local_rank(k2)
+    owned = _owners([p.numel() for p in params], n1 * n2)
+    tp_dim = [p.placements[k2].dim for p in params]
+
+    def tp_shape(j: int, y: int) -> list[int]:  # T_y of parameter j
+        shape = list(params[j].shape)
+        shape[tp_dim[j]] = _chunk_sizes(shape[tp_dim[j]], n2)[y]
+        return shape
+
+    def fsdp_shape(j: int, x: int, y: int) -> list[int]:  # chunk x of dim 0 of T_y
+        shape = tp_shape(j, y)
+        shape[0] = _chunk_sizes(shape[0], n1)[x]
+        return shape
+
+    for t in range(max(len(o) for o in owned)):
+        slot = [o[t] if t < len(o) else None for o in owned]  # flat owner rank r = a * n2 + b
+        items = [(j, r // n2, r % n2) for r, j in enumerate(slot) if j is not None]  # (param, a, b)
+        prepared = {j: prepare(params[j]) for j, _, _ in items}
+        for j, _, _ in items:
+            if list(prepared[j][-1].shape) != fsdp_shape(j, me1, me2):
+                raise RuntimeError(f"shard of {tuple(params[j].shape)} at ({me1}, {me2}) is "
+                                   f"{tuple(prepared[j][-1].shape)}, expected {fsdp_shape(j, me1, me2)}")
+        empty = next(iter(prepared.values()))[-1].new_empty(0)
+        # A: FSDP shards to the owner's k1 coordinate, which then holds T_me2 of each parameter it owns over k1.
+        mine_a = [j for j, a, _ in items if a == me1]
+        recv = _exchange(g1, [[prepared[j][-1] for j, a, _ in items if a == x] for x in range(n1)],
+                         [[math.prod(fsdp_shape(j, x, me2)) for j in mine_a] for x in range(n1)], empty)
+        tp_shards = {j: torch.cat([recv[x][m].view(fsdp_shape(j, x, me2)) for x in range(n1)])
+                     for m, j in enumerate(mine_a)}
+        del recv
+        # B: TP shards to the owner over k2; the owner makes the whole matrix.
+        mine = slot[me1 * n2 + me2]
+        recv = _exchange(g2, [[tp_shards[j] for j, a, b in items if a == me1 and b == y] for y in range(n2)],
+                         [[math.prod(tp_shape(mine, y))] if mine is not None else [] for y in range(n2)], empty)
+        back: list[list[torch.Tensor]] = [[] for _ in range(n2)]
+        if mine is not None:
+            full = torch.cat([recv[y][0].view(tp_shape(mine, y)) for y in range(n2)], dim=tp_dim[mine])
+            result = newton_schulz(full, *args)
+            del full
+            back = [[c] for c in result.split(_chunk_sizes(params[mine].shape[tp_dim[mine]], n2), dim=tp_dim[mine])]
+        del recv
+        # Back over k2 (each T_y to (me1, y)), then over k1 (each T_y's dim-0 chunks to their ranks).
+        order = [[j for j, a, b in items if a == me1 and b == y] for y in range(n2)]
+        recv = _exchange(g2, [[c.contiguous() for c in cs] for cs in back],
+                         [[math.prod(tp_shape(j, me2)) for j in order[y]] for y in range(n2)], empty)
+        results_tp = {j: recv[y][m].view(tp_shape(j, me2)) for y in range(n2) for m, j in enumerate(order[y])}
+        del recv, back
+        sends = [[] for _ in range(n1)]
+        for j in mine_a:
+            for x, c in enumerate(results_tp[j].split(_chunk_sizes(tp_shape(j, me2)[0], n1))):
+                sends[x].append(c.contiguous())
+        recv = _exchange(g1, sends, [[math.prod(fsdp_shape(j, me1, me2)) for j, a, _ in items if a == x]
+                                     for x in range(n1)], empty)
+        for x in range(n1):
+            for m, j in enumerate([j for j, a, _ in items if a == x]):
+                finish(params[j], prepared[j], recv[x][m].view(prepared[j][-1].shape))
 
 
 def _gathered(p: DTensor, update: torch.Tensor, args: tuple) -> torch.Tensor:

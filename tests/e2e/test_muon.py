@@ -30,7 +30,7 @@ def test_muon_under_fsdp_matches_one_process():
 
 @pytest.mark.slow
 def test_muon_under_every_dense_layout_matches_one_process():
-    # TP2 (owners over tp), FSDP2xTP2 (two sharded dims: gathered), HSDP, PP2, CP2.
+    # TP2 (owners over tp), FSDP2xTP2 (owners over both dims), HSDP, PP2, CP2.
     _assert_parity("debug.toml", ["tp=2", "dp_shard=2,tp=2", "dp_replicate=2,dp_shard=2", "pp=2", "cp=2"])
 
 
