@@ -48,8 +48,9 @@ Bound on full matrices per rank at once: in an owner round, the one it owns
 plus Newton-Schulz's temporaries (the [min(A,B)]^2 Gram matrix and its square,
 and the iterate), and shards of that round's matrices (at most one whole
 matrix's worth; under FSDP2 x TP up to n_tp TP shards, one matrix's worth);
-a gathered parameter: that one matrix (an expert stack: the whole [E, A, B]). Updates are made (momentum, Nesterov) per parameter or per
-owner round, and applied at once after: never the whole group's at a time.
+a gathered parameter: that one matrix (an expert stack: the whole
+[E, A, B]). Updates are made (momentum, Nesterov) per parameter or per owner
+round, and applied right after: never the whole group's at a time.
 
 The clip's scale and the guard's found_inf (trainlib.parallel.grad,
 trainlib.guard) are read on the device, as by torch's fused AdamW: `grad_scale`
@@ -143,7 +144,10 @@ def step_cost(params: list[torch.Tensor], ns_steps: int) -> tuple[float, float]:
 
 def _whole_experts(p: DTensor) -> bool:
     """Whether each local shard of a 3-D expert weight holds whole experts: it is split on dim 0 only."""
-    return p.ndim == 3 and all(pl.is_replicate() or (pl.is_shard() and pl.dim == 0) for pl in p.placements)
+    def on_dim0(pl) -> bool:
+        return (pl.is_shard() or isinstance(pl, _StridedShard)) and pl.dim == 0
+
+    return p.ndim == 3 and all(pl.is_replicate() or on_dim0(pl) for pl in p.placements)
 
 
 class Muon(AdamW):
