@@ -108,26 +108,32 @@ class AdamW(torch.optim.Optimizer):
         copy_of = {id(m.weight): m.weight_lp for m in self._copies.linears} if self._copies is not None else {}
         written = 0
         for group in self.param_groups:
-            beta1, beta2 = group["betas"]
-            scalars: dict[torch.device, tuple[torch.Tensor, ...]] = {}
-            for p in group["params"]:
-                if p.grad is None:
-                    continue
-                state = self._init_state(p, group)
-                g = p.grad
-                if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
-                    g = g.redistribute(p.device_mesh, p.placements)
-                local = _local(p)
-                if local.device not in scalars:
-                    scalars[local.device] = self._device_scalars(local.device, group)
-                copy = copy_of.get(id(p))
-                written += copy is not None
-                update = _compiled_update() if self._use_compile(local) else _update
-                update(local.view(-1), _local(g).view(-1), _local(state["exp_avg"]).view(-1),
-                       _local(state["exp_avg_sq"]).view(-1), state["step"], *scalars[local.device],
-                       None if copy is None else copy.view(-1), beta1=beta1, beta2=beta2, eps=group["eps"])
+            written += self._step_group(group, copy_of)
         self.wrote_every_copy = bool(copy_of) and written == len(copy_of)
         return loss
+
+    def _step_group(self, group: dict, copy_of: dict) -> int:
+        """The update of one param group's parameters; returns how many weight copies it wrote."""
+        written = 0
+        beta1, beta2 = group["betas"]
+        scalars: dict[torch.device, tuple[torch.Tensor, ...]] = {}
+        for p in group["params"]:
+            if p.grad is None:
+                continue
+            state = self._init_state(p, group)
+            g = p.grad
+            if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
+                g = g.redistribute(p.device_mesh, p.placements)
+            local = _local(p)
+            if local.device not in scalars:
+                scalars[local.device] = self._device_scalars(local.device, group)
+            copy = copy_of.get(id(p))
+            written += copy is not None
+            update = _compiled_update() if self._use_compile(local) else _update
+            update(local.view(-1), _local(g).view(-1), _local(state["exp_avg"]).view(-1),
+                   _local(state["exp_avg_sq"]).view(-1), state["step"], *scalars[local.device],
+                   None if copy is None else copy.view(-1), beta1=beta1, beta2=beta2, eps=group["eps"])
+        return written
 
     def _use_compile(self, t: torch.Tensor) -> bool:
         return t.device.type == "cuda" if self._compile is None else self._compile

@@ -122,8 +122,9 @@ def loss_chunk_tokens(cfg, vocab_size: int, tp: int, device_type: str) -> int:
     return resolve_chunk_tokens(cfg.loss.chunk_tokens, device_type, vocab_local)
 
 
-def describe_choices(cfg, built: ModelParts, optimizer_impl: str) -> str:
-    """One line of what runs: the choices made automatically ("auto" keys) and the speed levers as set."""
+def describe_choices(cfg, built: ModelParts, optimizer: str) -> str:
+    """One line of what runs: the choices made automatically ("auto" keys) and the speed levers as set.
+    `optimizer`: the optimizer's own part (its declaration's `describe`, trainlib.optim.OptimizerKind)."""
     t = cfg.training
     if built.autocast_dtype is not None:
         precision = f"{t.mixed_precision_param} autocast over fp32 weights ({t.mixed_precision_impl})"
@@ -135,7 +136,7 @@ def describe_choices(cfg, built: ModelParts, optimizer_impl: str) -> str:
         precision = "float32"
     ac = cfg.activation_checkpoint
     parts = [
-        f"adamw {optimizer_impl}" + (" (auto)" if cfg.optimizer.implementation == "auto" else ""),
+        optimizer,
         precision,
         (f"loss chunked by {built.loss_chunk_tokens} tokens" + ("" if cfg.loss.chunk_tokens else " (auto)"))
         if built.loss_chunk_tokens else "loss on whole logits",

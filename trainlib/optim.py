@@ -1,9 +1,10 @@
-"""The optimizer (chosen by `optimizer.name`; AdamW) and the learning-rate schedule."""
+"""The optimizers (chosen by `optimizer.name`: the registry OPTIMIZERS, each entry's declaration an
+`OptimizerKind`) and the learning-rate schedule."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 
 import torch
@@ -11,8 +12,16 @@ from torch import nn
 from torch.optim.lr_scheduler import LambdaLR
 
 from trainlib.adamw import AdamW as OnePassAdamW
-from trainlib.sections import LRSchedulerConfig, OptimizerConfig
+from trainlib.models.roles import PARAM_ROLES
+from trainlib.muon import MUON
+from trainlib.optimizer_kind import NamedParam, OptimizerKind, adamw_groups, adamw_state_bytes
+from trainlib.params import canonical_name
 from trainlib.precision import LowPrecisionCopies
+from trainlib.sections import LRSchedulerConfig, MuonConfig, OptimizerConfig
+
+__all__ = ["OPTIMIZERS", "LRSchedulerConfig", "MuonConfig", "NamedParam", "OptimizerConfig", "OptimizerKind",
+           "build_lr_scheduler", "build_optimizer", "fused_on", "implementation_of", "kind_of", "named_params",
+           "resolve_implementation"]
 
 
 def resolve_implementation(implementation: str, params: Iterable[torch.Tensor], state_dtype: str = "float32",
@@ -46,15 +55,6 @@ def implementation_of(optimizer: torch.optim.Optimizer) -> str:
     return "fused" if d.get("fused") else "foreach" if d.get("foreach") else "for-loop"
 
 
-def fused_on(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
-    """Whether every group of `optimizer` is torch's fused AdamW over
-    parameters on `device`: then its step reads the on-device inputs
-    `found_inf` (skip the update) and `grad_scale` (divide each gradient by
-    it) that torch's GradScaler feeds it, with no host sync."""
-    fused = isinstance(optimizer, OnePassAdamW) or all(g.get("fused") for g in optimizer.param_groups)
-    return fused and all(p.device == device for g in optimizer.param_groups for p in g["params"])
-
-
 def _adamw(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     impl = resolve_implementation(cfg.implementation, (p for g in groups for p in g["params"]), cfg.state_dtype)
     if impl == "compiled":
@@ -64,32 +64,82 @@ def _adamw(groups: list[dict], cfg: OptimizerConfig) -> torch.optim.Optimizer:
     return torch.optim.AdamW(groups, lr=cfg.lr, betas=(cfg.beta1, cfg.beta2), eps=cfg.eps, **kwargs)
 
 
-# optimizer.name -> builder(param groups, cfg). A new optimizer is a builder
-# here and its name in OptimizerConfig.name's Literal.
-OPTIMIZERS = {"adamw": _adamw}
+def _build_adamw(named: list[NamedParam], cfg: OptimizerConfig,
+                 weight_copies: LowPrecisionCopies | None) -> torch.optim.Optimizer:
+    impl = resolve_implementation(cfg.implementation, [n.param for n in named], cfg.state_dtype,
+                                  weight_copies is not None)
+    optimizer = _adamw(adamw_groups(named, cfg.weight_decay), replace(cfg, implementation=impl))
+    if weight_copies is not None and isinstance(optimizer, OnePassAdamW):  # it writes them in its own pass
+        optimizer.write_low_precision_copies(weight_copies)
+    return optimizer
+
+
+def _adamw_device_gate(optimizer: torch.optim.Optimizer) -> bool:
+    return isinstance(optimizer, OnePassAdamW) or all(g.get("fused") for g in optimizer.param_groups)
+
+
+ADAMW = OptimizerKind(
+    name="adamw", build=_build_adamw, state_bytes=adamw_state_bytes,
+    hyper_parameters=("betas", "eps", "weight_decay", "amsgrad", "maximize"),
+    describe=lambda optimizer, cfg: f"adamw {implementation_of(optimizer)}"
+                                    + (" (auto)" if cfg.implementation == "auto" else ""),
+    device_gate=_adamw_device_gate)
+
+
+# optimizer.name -> its declaration (trainlib.optimizer_kind.OptimizerKind). A new optimizer: its module
+# (the update and its declaration) and one line here (and its name in OptimizerConfig.name's Literal).
+OPTIMIZERS: dict[str, OptimizerKind] = {"adamw": ADAMW, "muon": MUON}
+
+
+def kind_of(optimizer: torch.optim.Optimizer) -> OptimizerKind:
+    """The declaration of an optimizer `build_optimizer` built (AdamW for one built elsewhere, e.g. a custom
+    loop's torch.optim.AdamW)."""
+    return OPTIMIZERS[getattr(optimizer, "optimizer_name", "adamw")]
+
+
+def fused_on(optimizer: torch.optim.Optimizer, device: torch.device) -> bool:
+    """Whether `optimizer`'s step reads the on-device inputs `found_inf` (skip
+    the update) and `grad_scale` (divide each gradient by it), as torch's
+    fused AdamW does from GradScaler, with no host sync (its declaration's
+    `device_gate`), over parameters all on `device`."""
+    return (kind_of(optimizer).device_gate(optimizer)
+            and all(p.device == device for g in optimizer.param_groups for p in g["params"]))
+
+
+def fallback_role(name: str, param: torch.Tensor) -> str:
+    """A role where no family names one (a module built outside the registry): a bias by its name,
+    other 1-D parameters norms, every other one a matrix: AdamW's groups as the ndim rule gave them."""
+    if param.ndim >= 2:
+        return "matrix"
+    return "bias" if name.rsplit(".", 1)[-1] == "bias" else "norm"
+
+
+def named_params(model_parts: Iterable[nn.Module],
+                 param_role: Callable[[str], str] | None = None) -> list[NamedParam]:
+    """The trainable parameters of all model parts, in order, with canonical names and roles (the family's
+    `param_role`, else `fallback_role`)."""
+    out = []
+    for part in model_parts:
+        for name, p in part.named_parameters():
+            if p.requires_grad:
+                name = canonical_name(name)
+                role = param_role(name) if param_role is not None else fallback_role(name, p)
+                if role not in PARAM_ROLES:
+                    raise ValueError(f"param_role gave {name} the role {role!r}, not one of {PARAM_ROLES}")
+                out.append(NamedParam(name, p, role))
+    return out
 
 
 def build_optimizer(model_parts: Iterable[nn.Module], cfg: OptimizerConfig,
-                    weight_copies: LowPrecisionCopies | None = None) -> torch.optim.Optimizer:
+                    weight_copies: LowPrecisionCopies | None = None,
+                    param_role: Callable[[str], str] | None = None) -> torch.optim.Optimizer:
     """The optimizer `cfg.name` over all model parts (several under pipeline parallelism).
 
-    Weight decay applies to matrices only: decaying norm gains pulls them
-    towards zero, which only hurts. `weight_copies` (build.ModelParts'): an
-    optimizer that can write them in its own pass (trainlib.adamw) does.
+    `param_role`: the family's (ModelSpec.param_role), by canonical name; without it, `fallback_role`.
+    `weight_copies` (build.ModelParts'): an optimizer that can write them in its own pass (trainlib.adamw) does.
     """
-    decay, no_decay = [], []
-    for part in model_parts:
-        for p in part.parameters():
-            if p.requires_grad:
-                (decay if p.ndim >= 2 else no_decay).append(p)
-    groups = [
-        {"params": decay, "weight_decay": cfg.weight_decay},
-        {"params": no_decay, "weight_decay": 0.0},
-    ]
-    impl = resolve_implementation(cfg.implementation, decay + no_decay, cfg.state_dtype, weight_copies is not None)
-    optimizer = OPTIMIZERS[cfg.name]([g for g in groups if g["params"]], replace(cfg, implementation=impl))
-    if weight_copies is not None and isinstance(optimizer, OnePassAdamW):
-        optimizer.write_low_precision_copies(weight_copies)
+    optimizer = OPTIMIZERS[cfg.name].build(named_params(model_parts, param_role), cfg, weight_copies)
+    optimizer.optimizer_name = cfg.name
     return optimizer
 
 

@@ -18,6 +18,7 @@ from typing import Literal
 
 from trainlib.data.config import DataConfig
 from trainlib.errors import ConfigError
+from trainlib.models.roles import PARAM_ROLES
 
 
 # ----------------------------------------------------------------- trainlib.distributed
@@ -62,8 +63,60 @@ class LossConfig:
 
 # ----------------------------------------------------------------- trainlib.optim
 @dataclass
+class MuonConfig:
+    """[optimizer.muon]: Muon's keys (trainlib.muon), read only under optimizer.name = "muon"."""
+
+    # Which parameter roles (trainlib.models.roles.PARAM_ROLES, named by the family) Muon updates;
+    # every other parameter stays on AdamW with the [optimizer] keys (Moonlight's split by default).
+    roles: list[str] = field(default_factory=lambda: ["matrix", "expert", "router"], metadata={
+        "help": "parameter roles Muon orthogonalises (of embedding, output, norm, bias, router, expert, matrix); "
+                "the rest run AdamW"})
+    momentum: float = field(default=0.95, metadata={"help": "momentum of the gradient's running average, in [0, 1)"})
+    nesterov: bool = field(default=True, metadata={"help": "orthogonalise the Nesterov look-ahead (gradient "
+                                                           "lerped towards the momentum) instead of the momentum"})
+    ns_steps: int = field(default=5, metadata={"help": "Newton-Schulz iterations per matrix and step, >= 1"})
+    ns_coefficients: list[float] = field(default_factory=lambda: [3.4445, -4.7750, 2.0315], metadata={
+        "help": "the quintic Newton-Schulz coefficients (a, b, c)"})
+    eps: float = field(default=1e-7, metadata={"help": "floor of the matrix norm Newton-Schulz divides by; > 0"})
+    # match_rms_adamw (Moonlight): lr x 0.2 sqrt(max(A, B)), so AdamW's lr and weight decay carry over;
+    # original: lr x sqrt(max(1, A / B)), for a matrix of A rows (out) and B columns (in).
+    adjust_lr: Literal["match_rms_adamw", "original"] = field(default="match_rms_adamw", metadata={
+        "help": "per-matrix lr scale: match_rms_adamw = 0.2*sqrt(max(A,B)), original = sqrt(max(1,A/B))"})
+    ns_dtype: Literal["auto", "float32", "bfloat16"] = field(default="auto", metadata={
+        "help": "dtype Newton-Schulz runs in; auto = bfloat16 on CUDA, float32 on CPU"})
+    # MuonClip (Kimi K2): rescale W_q, W_k of every head whose max attention logit exceeded it.
+    qk_clip_threshold: float = field(default=0.0, metadata={
+        "help": "MuonClip's max attention logit tau (0 = off; not built yet: a value > 0 is refused)"})
+
+    def __post_init__(self) -> None:
+        unknown = [r for r in self.roles if r not in PARAM_ROLES]
+        if unknown:
+            raise ConfigError(f"optimizer.muon.roles has unknown role(s) {unknown}: each must be one of "
+                              f"{', '.join(PARAM_ROLES)}; e.g. roles = ['matrix', 'expert', 'router']")
+        if self.ns_steps < 1:
+            raise ConfigError(f"optimizer.muon.ns_steps must be >= 1 (Newton-Schulz iterations), got {self.ns_steps}"
+                              f"; the usual value is 5")
+        if not 0 <= self.momentum < 1:
+            raise ConfigError(f"optimizer.muon.momentum must be in [0, 1), got {self.momentum}; e.g. 0.95")
+        if len(self.ns_coefficients) != 3:
+            raise ConfigError(f"optimizer.muon.ns_coefficients must be 3 numbers (a, b, c), got "
+                              f"{self.ns_coefficients}; e.g. [3.4445, -4.7750, 2.0315]")
+        if not self.eps > 0:
+            raise ConfigError(f"optimizer.muon.eps must be > 0, got {self.eps}; e.g. 1e-7")
+        if self.qk_clip_threshold < 0:
+            raise ConfigError(f"optimizer.muon.qk_clip_threshold (MuonClip's tau) must be > 0, or 0 for off; got "
+                              f"{self.qk_clip_threshold}; Kimi K2 used 100")
+        if self.qk_clip_threshold > 0:
+            raise ConfigError(f"optimizer.muon.qk_clip_threshold = {self.qk_clip_threshold}: MuonClip is not built "
+                              f"yet; set it to 0 (off)")
+
+
+@dataclass
 class OptimizerConfig:
-    name: Literal["adamw"] = field(default="adamw", metadata={"help": "the optimizer (AdamW, decoupled weight decay)"})
+    # A name is an entry of trainlib.optim.OPTIMIZERS (its module declares what it holds and reads).
+    name: Literal["adamw", "muon"] = field(default="adamw", metadata={
+        "help": "the optimizer: adamw (decoupled weight decay), or muon (orthogonalised updates of the matrices "
+                "in optimizer.muon.roles, AdamW with these keys for the rest)"})
     lr: float = field(default=3e-4, metadata={"help": "peak learning rate, reached after warmup; lr_scheduler "
                                                        "scales it"})
     beta1: float = field(default=0.9, metadata={"help": "decay rate of the gradient's running mean (first moment), "
@@ -91,8 +144,19 @@ class OptimizerConfig:
     # checkpoint of the other dtype.
     state_dtype: Literal["float32", "bfloat16"] = field(default="float32", metadata={
         "help": "dtype of AdamW's moments; bfloat16 halves optimizer state, needs implementation compiled or auto"})
+    muon: MuonConfig = field(default_factory=MuonConfig, metadata={
+        "help": "Muon's keys (optimizer.name = 'muon' only)"})
 
     def __post_init__(self) -> None:
+        if self.name != "muon" and self.muon != MuonConfig():
+            changed = sorted(k for k, v in vars(self.muon).items() if v != getattr(MuonConfig(), k))
+            raise ConfigError(f"optimizer.muon.{changed[0]} is set but optimizer.name = '{self.name}': the "
+                              f"optimizer.muon keys ({', '.join(changed)}) apply to Muon only; set optimizer.name = "
+                              f"'muon' or remove them")
+        if self.name == "muon" and (self.implementation != "auto" or self.state_dtype != "float32"):
+            raise ConfigError(f"optimizer.name = 'muon' runs its AdamW groups with trainlib's one-pass AdamW in "
+                              f"float32, but optimizer.implementation = '{self.implementation}', state_dtype = "
+                              f"'{self.state_dtype}'; leave both at their defaults ('auto', 'float32')")
         if self.state_dtype != "float32" and self.implementation not in ("auto", "compiled"):
             raise ConfigError(
                 f"optimizer.state_dtype = '{self.state_dtype}' needs optimizer.implementation 'compiled' (or "

@@ -94,7 +94,7 @@ from trainlib.loss import count_targets
 from trainlib.metrics import MetricsLogger, setup_logging
 from trainlib.plan.core import refuse_unless_fits
 from trainlib.models.registry import ResolvedModel, resolve_model
-from trainlib.optim import build_lr_scheduler, build_optimizer, implementation_of
+from trainlib.optim import build_lr_scheduler, build_optimizer, kind_of
 from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
 from trainlib.parallel.replica import build_replica_axis
 from trainlib.profiling import GarbageCollection, Profiler
@@ -210,11 +210,12 @@ def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, model: Resolv
         init_model_weights(part, t.seed, info.device, "cpu" if cfg.parallelism.fsdp_cpu_offload else None)
         part.train()
 
-    optimizer = build_optimizer(built.parts, cfg.optimizer, built.weight_copies)
+    optimizer = build_optimizer(built.parts, cfg.optimizer, built.weight_copies, model.spec.param_role)
     scheduler = build_lr_scheduler(optimizer, cfg.lr_scheduler, t.steps)
     guard = Guard(t, optimizer, info.device)
     checkpointer = Checkpointer(cfg.checkpoint, cfg.job.dump_folder, {
-        "model": ModelState(built.parts), "optimizer": OptimizerState(built.parts, optimizer),
+        "model": ModelState(built.parts),
+        "optimizer": OptimizerState(built.parts, optimizer, kind_of(optimizer).hyper_parameters),
         "scheduler": scheduler, "dataloader": loader, "guard": guard,
         "trainer": TrainState(tokens_per_step=t.global_batch_size * t.seq_len, model_args=built.model_args,
                               model_name=cfg.model.name, schedule=schedule_settings(cfg),
@@ -247,7 +248,7 @@ def _build_job(cfg: JobConfig, info: DistInfo, dims: ParallelDims, model: Resolv
         logger.info(f"nothing to train: the run folder's checkpoint is at step {start_step} and training.steps = "
                     f"{t.steps}; raise --training.steps to train on (the schedule then stretches to the new end), or "
                     f"use another job.dump_folder to start a new run")
-    logger.info(describe_choices(cfg, built, implementation_of(optimizer)))
+    logger.info(describe_choices(cfg, built, kind_of(optimizer).describe(optimizer, cfg.optimizer)))
     monitor = StepMonitor(cfg.watchdog, cfg.comm.train_timeout_seconds, run_dir)
     return Job(cfg=cfg, info=info, dims=dims, runner=built.runner, optimizer=optimizer, scheduler=scheduler,
                loader=loader, metrics=metrics, grad_accum=grad_accum, run_dir=run_dir, checkpointer=checkpointer,

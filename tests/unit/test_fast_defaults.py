@@ -10,7 +10,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule
 
 from tests.helpers import build_on_one_rank
 from trainlib.config import ConfigError, load_job_config
-from trainlib.optim import OptimizerConfig, build_optimizer, implementation_of, resolve_implementation
+from trainlib.optim import OptimizerConfig, build_optimizer, implementation_of, kind_of, resolve_implementation
 from trainlib.parallel import ParallelDims
 from trainlib.parallel.mixed_precision import autocast_dtype, fsdp_wraps
 from trainlib.train import train
@@ -163,8 +163,8 @@ def test_the_chosen_line_names_each_setting(monkeypatch, overrides, line):
     monkeypatch.setattr("trainlib.parallel.compile.torch.compile", lambda fn, **kw: fn)  # named, not run
     cfg = load_job_config(None, overrides)
     built = build_on_one_rank(cfg)
-    impl = resolve_implementation(cfg.optimizer.implementation, [p for part in built.parts for p in part.parameters()])
-    assert describe_choices(cfg, built, impl) == "chosen: " + line
+    optimizer = build_optimizer(built.parts, cfg.optimizer)
+    assert describe_choices(cfg, built, kind_of(optimizer).describe(optimizer, cfg.optimizer)) == "chosen: " + line
 
 
 def test_chunked_loss_refuses_a_float8_output_layer():

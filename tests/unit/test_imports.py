@@ -26,10 +26,10 @@ ROOT = Path(trainlib.__file__).parent
 # checkpoint.bench, can sit above its package).
 LAYERS = [
     ("core: single-process parts, each usable alone",
-     ["trainlib.errors", "trainlib.compat", "trainlib.guard", "trainlib.config.loader", "trainlib.config.cli", "trainlib.config.recipes", "trainlib.launch", "trainlib.hardware", "trainlib.loss", "trainlib.distributed", "trainlib.metrics", "trainlib.profiling",
+     ["trainlib.errors", "trainlib.compat", "trainlib.guard", "trainlib.optimizer_kind", "trainlib.config.loader", "trainlib.config.cli", "trainlib.config.recipes", "trainlib.launch", "trainlib.hardware", "trainlib.loss", "trainlib.distributed", "trainlib.metrics", "trainlib.profiling",
       "trainlib.resilience",
-      "trainlib.optim", "trainlib.adamw", "trainlib.precision", "trainlib.float8", "trainlib.data", "trainlib.data.*", "trainlib.models",
-      "trainlib.params", "trainlib.blocks", "trainlib.blocks.*", "trainlib.models.layers", "trainlib.models.spec", "trainlib.models.*.model", "trainlib.models.*.state_dict_adapter",
+      "trainlib.optim", "trainlib.adamw", "trainlib.muon", "trainlib.precision", "trainlib.float8", "trainlib.data", "trainlib.data.*", "trainlib.models",
+      "trainlib.params", "trainlib.blocks", "trainlib.blocks.*", "trainlib.models.layers", "trainlib.models.spec", "trainlib.models.roles", "trainlib.models.*.model", "trainlib.models.*.state_dict_adapter",
       # the torch-free recipe sections and model shapes (the command line is read before torch is imported)
       "trainlib.sections", "trainlib.models.lazy", "trainlib.models.*.args"]),
     ("parallel: the mesh, one module per axis, per-model parallelization",

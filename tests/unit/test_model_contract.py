@@ -16,12 +16,13 @@ from pathlib import Path
 import torch
 
 import trainlib
+from trainlib.models.roles import PARAM_ROLES
 from trainlib.models.registry import MODELS
 
 ROOT = Path(trainlib.__file__).parent
 GENERIC = [*sorted((ROOT / "parallel").glob("*.py")), *sorted((ROOT / "plan").glob("*.py")),
            *sorted((ROOT / "checkpoint").glob("*.py")), *sorted((ROOT / "config").glob("*.py")),
-           *(ROOT / name for name in ("train.py", "validation.py", "build.py", "loss.py", "optim.py", "adamw.py",
+           *(ROOT / name for name in ("train.py", "validation.py", "build.py", "loss.py", "optim.py", "optimizer_kind.py", "adamw.py", "muon.py",
                                       "precision.py", "convert.py", "parity.py", "float8.py", "metrics.py", "sections.py",
                                       "guard.py", "step.py", "params.py")),
            *sorted((ROOT / "data").glob("*.py"))]
@@ -31,7 +32,9 @@ GENERIC = [*sorted((ROOT / "parallel").glob("*.py")), *sorted((ROOT / "plan").gl
 CONTRACT_NAMES = {"layers", "moe"}
 # Strings the contract defines: block_forward_flops names the attention scores' op "attention" (the planner
 # prices that kind of work by it); attribute access to a module of that name stays a hit.
-CONTRACT_STRINGS = {"attention"}
+# The parameter roles (ModelSpec.param_role, trainlib.models.roles.PARAM_ROLES: "norm", "router", "output",
+# ...) are the contract's vocabulary too: the optimizers group parameters by them.
+CONTRACT_STRINGS = {"attention", *PARAM_ROLES}
 
 
 def _family_words() -> tuple[set[str], set[str]]:

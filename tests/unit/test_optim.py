@@ -1,3 +1,4 @@
+import dataclasses
 import math
 
 import pytest
@@ -82,6 +83,15 @@ def test_optimizer_name_selects_the_builder(monkeypatch):
     assert opt.defaults["betas"] == (0.8, 0.9) and opt.defaults["eps"] == 1e-6  # none of them the default
     assert [g["weight_decay"] for g in opt.param_groups] == [0.2, 0.0]  # matrices decay, biases do not
     picked = []
-    monkeypatch.setitem(optim.OPTIMIZERS, "adamw", lambda groups, cfg: picked.append(cfg.name) or "built")
-    assert build_optimizer([torch.nn.Linear(4, 4)], OptimizerConfig(name="adamw")) == "built"
-    assert picked == ["adamw"]
+
+    class Built:
+        pass
+
+    def build(named, cfg, copies):
+        picked.append((cfg.name, [(n.name, n.role) for n in named]))
+        return Built()
+
+    monkeypatch.setitem(optim.OPTIMIZERS, "adamw", dataclasses.replace(optim.ADAMW, build=build))
+    assert isinstance(build_optimizer([torch.nn.Linear(4, 4)], OptimizerConfig(name="adamw")), Built)
+    # The builder receives the parameters by name with their roles (no family here: the fallback rule).
+    assert picked == [("adamw", [("weight", "matrix"), ("bias", "bias")])]

@@ -10,6 +10,8 @@ from typing import Literal
 from trainlib.errors import ConfigError
 
 
+
+
 @dataclass(frozen=True)
 class MoEArgs:
     """The shape of one MoE block (a family's flavor holds it)."""

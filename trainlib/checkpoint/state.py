@@ -49,7 +49,8 @@ class ModelState:
             set_model_state_dict(part, sd, options=StateDictOptions(strict=False))
 
 
-# AdamW's hyper-parameters a checkpoint records in its param groups (the run's config sets them).
+# AdamW's hyper-parameters a checkpoint records in its param groups (the run's config sets them); an
+# optimizer declares its own (trainlib.optim.OptimizerKind.hyper_parameters).
 HYPER_PARAMETERS = ("betas", "eps", "weight_decay", "amsgrad", "maximize")
 
 
@@ -64,10 +65,13 @@ class OptimizerState:
 
     torch's `get_optimizer_state_dict` maps parameters through ONE module;
     under PP a single optimizer spans several stage modules, so the (small)
-    mapping is done here, with the model's names."""
+    mapping is done here, with the model's names. `hyper_parameters`: the param-group keys a resume
+    compares with the run's own (the optimizer's declaration, trainlib.optim.OptimizerKind)."""
 
-    def __init__(self, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer):
+    def __init__(self, model_parts: list[nn.Module], optimizer: torch.optim.Optimizer,
+                 hyper_parameters: tuple[str, ...] = HYPER_PARAMETERS):
         self.model_parts, self.optimizer = model_parts, optimizer
+        self.hyper_parameters = hyper_parameters
 
     def _names(self) -> dict[int, str]:
         # PP stages hold disjoint blocks keyed by global index, so names stay unique.
@@ -96,7 +100,7 @@ class OptimizerState:
         # effect, and says so. The rates are the schedule's (trainlib.optim.LRSchedule sets them on its load).
         changed = {}
         for i, (g, saved) in enumerate(zip(self.optimizer.param_groups, sd["param_groups"])):
-            for k in HYPER_PARAMETERS:
+            for k in self.hyper_parameters:
                 if k in saved and k in g and _plain(saved[k]) != _plain(g[k]):
                     changed[k] = (_plain(saved[k]), _plain(g[k]))
         if changed:

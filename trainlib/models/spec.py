@@ -55,6 +55,10 @@ from typing import Any
 
 from torch import nn
 
+from trainlib.models.roles import PARAM_ROLES
+
+__all__ = ["PARAM_ROLES", "BlockShape", "ModelSpec", "StageRoots"]
+
 
 @dataclass(frozen=True)
 class StageRoots:
@@ -143,6 +147,11 @@ class ModelSpec:
                         (`ARCHITECTURES`: the config.json architectures it reads); a weight HF stores as one
                         tensor per slice of its first dimension (an MoE layer's experts) it names by the tuple
                         of their HF names, in order (trainlib.checkpoint.hf stacks and splits them)
+    param_role          (canonical parameter name, e.g. `layers.3.attention.wq.weight`) -> one of PARAM_ROLES
+                        ("embedding", "output", "norm", "bias", "router", "expert", "matrix"): what the optimizer
+                        groups parameters by (trainlib.optim: AdamW's weight decay, Muon's orthogonalised set). A
+                        "matrix" or "router" is 2-D [out, in]; an "expert" is 3-D [n_experts, out, in], one matrix
+                        per expert; trainlib.models.roles has the shared name rules
     """
 
     name: str
@@ -158,5 +167,6 @@ class ModelSpec:
     block_forward_flops: Callable[[Any, int], list[tuple[str, float, bool]]]
     block_shapes: Callable[[Any], list[BlockShape]]
     state_dict_adapter: ModuleType
+    param_role: Callable[[str], str]
     prepare_batch: Callable[[Any], Callable[[dict], dict] | None] | None = None
     objective: Callable[[Any, Any], Callable[..., tuple[Any, dict]] | None] | None = None

@@ -13,7 +13,9 @@ AXIS_OF = {"fsdp_all_gather": "fsdp", "fsdp_reduce_scatter": "fsdp",
            "cp_kv": "cp", "cp_all_to_all": "cp",
            # hybrid CP: the all-to-all within cp_inner, the K/V all-gather across it
            "cp_inner_all_to_all": "cp_inner", "cp_outer_kv": "cp_outer",
-           "efsdp_all_gather": "efsdp", "efsdp_reduce_scatter": "efsdp", "ep_all_to_all": "ep"}
+           "efsdp_all_gather": "efsdp", "efsdp_reduce_scatter": "efsdp", "ep_all_to_all": "ep",
+           # the optimizer's own traffic (Muon's all-to-alls to owner ranks), priced on FSDP's links
+           "optimizer": "fsdp"}
 
 
 

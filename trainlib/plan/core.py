@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from trainlib.params import canonical_name
 from trainlib.plan.comm import comm_bytes, comm_seconds
 from trainlib.plan.hardware import ASSUMPTIONS, GPUS, GiB, axis_intra_node
 from trainlib.plan.memory import (DTYPE_BYTES, StepShape, activation_bytes, logits_loss_bytes, optimizer_state_dtype,
@@ -99,6 +100,10 @@ class RankBuild:
     # many of each it holds, and the size (trainlib.float8.linear_size) of the matmul one tp rank runs for it.
     float8_linears: dict[str, int] = field(default_factory=dict)
     float8_sizes: dict[str, float] = field(default_factory=dict)
+    # The optimizer's own step work beyond the elementwise update (trainlib.optim.OptimizerKind.step_cost):
+    # FLOPs (Muon's Newton-Schulz) and bytes sent (its shards to their owner ranks and back).
+    optimizer_flops: float = 0.0
+    optimizer_sent: float = 0.0
 
 
 @dataclass
@@ -368,7 +373,7 @@ def rank_build_of(cfg, pp_rank: int, stage_ids: list[int], layers: list[int], ha
     per_block = [list(b.parameters()) for _, b in blocks]
     return RankBuild(
         pp_rank, list(stage_ids), list(layers), has_embedding, has_output,
-        {**params_state_bytes(params, optimizer_state_dtype(cfg)),
+        {**params_state_bytes(params, optimizer_state_dtype(cfg), _optimizer_bytes(cfg, spec, pieces)),
          "weight_copies": weight_copy_bytes([m for _, m in pieces])},
         max((sum(_per_tp_rank(p) for p in ps) for ps in per_block), default=0),
         sum(_per_tp_rank(p) for p in root_params),
@@ -376,7 +381,8 @@ def rank_build_of(cfg, pp_rank: int, stage_ids: list[int], layers: list[int], ha
         sum(p.numel() for p in params if _tp_replicated(p)),
         sum(_per_tp_rank(m.weight) for name, m in linears if name.startswith("layers.")),
         sum(_per_tp_rank(m.weight) for name, m in linears if name == spec.output_module),
-        *(_float8_linears(linears) if cfg.float8.enable else ({}, {})))
+        *(_float8_linears(linears) if cfg.float8.enable else ({}, {})),
+        *_optimizer_step_cost(cfg, spec, pieces, params))
 
 
 def _float8_linears(linears: list[tuple[str, nn.Module]]) -> tuple[dict[str, int], dict[str, float]]:
@@ -543,6 +549,39 @@ def step_shape(cfg, dims, args, n_stages: int, stages_per_rank: int, n_microbatc
                      if cfg.loss.chunked else None)
 
 
+def _param_names(pieces: list[tuple[str, nn.Module]]) -> dict[int, str]:
+    """Canonical names of the parameters of a rank's pieces (root modules and blocks by their model names)."""
+    names = {}
+    for prefix, piece in pieces:
+        for name, p in piece.named_parameters():
+            names.setdefault(id(p), canonical_name(f"{prefix}.{name}" if prefix else name))
+    return names
+
+
+def _optimizer_bytes(cfg, spec, pieces: list[tuple[str, nn.Module]]):
+    """(parameter, local numel, element size) -> its optimizer state bytes, as the job's optimizer declares
+    them for the parameter's role (trainlib.optim.OPTIMIZERS; the family's ModelSpec.param_role)."""
+    from trainlib.optim import OPTIMIZERS, fallback_role
+
+    kind, names = OPTIMIZERS[cfg.optimizer.name], _param_names(pieces)
+
+    def state(p, numel: int, elem: int) -> int:
+        name = names.get(id(p))
+        role = spec.param_role(name) if name is not None else fallback_role("", p)
+        return kind.state_bytes(role, numel, elem, cfg.optimizer)
+    return state
+
+
+def _optimizer_step_cost(cfg, spec, pieces: list[tuple[str, nn.Module]], params: list[nn.Parameter]):
+    """(FLOPs, bytes sent) the job's optimizer adds per step on this rank (its declaration's step_cost)."""
+    from trainlib.optim import OPTIMIZERS, NamedParam, fallback_role
+
+    names = _param_names(pieces)
+    named = [NamedParam(names.get(id(p), ""), p, spec.param_role(names[id(p)]) if id(p) in names
+                        else fallback_role("", p)) for p in params if p.requires_grad]
+    return OPTIMIZERS[cfg.optimizer.name].step_cost(named, cfg.optimizer)
+
+
 def stage_memory(cfg, s: StepShape, r: RankBuild, grad_accum: int, assumptions: dict) -> StagePlan:
     """One pipeline rank's memory at its peak (trainlib.plan.memory.rank_memory)."""
     # Gradients outlive a backward where a later micro-batch adds to them. Only
@@ -647,6 +686,8 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
     comm = comm_bytes(s, fsdp_degree=len(b.groups["fsdp"][0]), dp_replicate=dims.dp_replicate,
                       efsdp_degree=len(b.groups["efsdp"][0]) if "efsdp" in b.groups else 1,
                       grad_accum=grad_accum, ranks=b.ranks, ac=ac)
+    if any(r.optimizer_sent for r in b.ranks):  # Muon's shards to their owners and back (trainlib.muon)
+        comm["optimizer"] = max(r.optimizer_sent for r in b.ranks)
     comm_s = comm_seconds(comm, intra, hw, A)
     tokens_step = t.global_batch_size * t.seq_len
     bubble = (dims.pp - 1) / (b.n_microbatches * b.stages_per_rank) if dims.pp_enabled else 0.0

@@ -48,16 +48,22 @@ def state_bytes(model_parts: list[nn.Module], state_dtype: str | None = None) ->
     return params_state_bytes([p for part in model_parts for p in part.parameters()], state_dtype)
 
 
-def params_state_bytes(params: list[nn.Parameter], state_dtype: str | None = None) -> dict[str, int]:
+def params_state_bytes(params: list[nn.Parameter], state_dtype: str | None = None,
+                       optimizer_bytes=None) -> dict[str, int]:
     """`state_bytes` of these parameters, each counted as often as it is listed (the planner lists a
-    probe's block once per layer it stands for)."""
+    probe's block once per layer it stands for). `optimizer_bytes`: (parameter, its local numel, element
+    size) -> its optimizer state bytes, the optimizer's declaration (trainlib.optim.OptimizerKind.state_bytes
+    by the parameter's role); unset: AdamW's as above."""
     held = grads = opt = 0
     for p in params:
         loc = _local(p)
         b = loc.numel() * loc.element_size()
         held += b
         grads += b if p.requires_grad else 0
-        opt += 2 * (loc.numel() * DTYPE_BYTES[state_dtype] if state_dtype else b) + 4
+        if optimizer_bytes is not None:
+            opt += optimizer_bytes(p, loc.numel(), loc.element_size())
+        else:
+            opt += 2 * (loc.numel() * DTYPE_BYTES[state_dtype] if state_dtype else b) + 4
     return {"params": held, "grads": grads, "optimizer": opt}
 
 

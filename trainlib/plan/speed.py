@@ -129,6 +129,9 @@ def step_work(*, block_ops: list[tuple[str, float, bool]], head_flops: float, se
     attention = (attn_fwd * (1 + A["attention_backward_flops"])
                  + recomputed_flops_per_token(attention_ops, n, ac) * causal) * per_rank
 
+    # The optimizer's own matmuls (Muon's Newton-Schulz; trainlib.optim.OptimizerKind.step_cost), the mean
+    # over the pipeline ranks as the other per-rank work.
+    gemm += sum(r.optimizer_flops for r in b.ranks) / len(b.ranks)
     work = StepWork(gemm, float8_saved_per_token * per_rank, attention, attention / (4 * s.block.head_dim))
     work.bytes = {k: v for k, v in _memory_bytes(s, ac, b, cfg, grad_accum, per_rank, A).items() if v}
     return work

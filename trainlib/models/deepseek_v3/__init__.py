@@ -25,7 +25,8 @@ __all__ = ["FLAVORS", "MLA", "MTPModule", "ModelArgs", "MoEBlock", "SPEC", "Tran
 
 def _spec():
     from trainlib.models.deepseek_v3 import state_dict_adapter
-    from trainlib.models.deepseek_v3.model import Transformer, block_forward_flops, block_shapes, flops_per_token
+    from trainlib.models.deepseek_v3.model import (Transformer, block_forward_flops, block_shapes, flops_per_token,
+                                                   param_role)
     from trainlib.models.deepseek_v3.parallelize import parallelize_deepseek_v3, validate_degrees
     from trainlib.models.mtp import mtp_objective, mtp_prepare_batch
     from trainlib.models.spec import ModelSpec, StageRoots
@@ -45,6 +46,7 @@ def _spec():
         block_forward_flops=block_forward_flops,
         block_shapes=block_shapes,
         state_dict_adapter=state_dict_adapter,
+        param_role=param_role,
         prepare_batch=lambda args: mtp_prepare_batch(args.mtp_depth),
         objective=lambda args, model_cfg: mtp_objective(args.mtp_depth, model_cfg.mtp_loss_weight),
     )

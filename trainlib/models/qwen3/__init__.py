@@ -21,6 +21,7 @@ def _spec():
     from trainlib.models.qwen3 import state_dict_adapter
     from trainlib.models.qwen3.model import Transformer, block_forward_flops, block_shapes, flops_per_token
     from trainlib.models.qwen3.parallelize import parallelize_qwen3, validate_degrees
+    from trainlib.models.roles import dense_param_role
     from trainlib.models.spec import ModelSpec, StageRoots
 
     return ModelSpec(
@@ -37,6 +38,7 @@ def _spec():
         block_forward_flops=block_forward_flops,
         block_shapes=block_shapes,
         state_dict_adapter=state_dict_adapter,
+        param_role=dense_param_role,
     )
 
 

@@ -21,6 +21,7 @@ def _spec():
     from trainlib.models.qwen3_moe import state_dict_adapter
     from trainlib.models.qwen3_moe.model import Transformer, block_forward_flops, block_shapes, flops_per_token
     from trainlib.models.qwen3_moe.parallelize import parallelize_qwen3_moe, validate_degrees
+    from trainlib.models.roles import moe_param_role
     from trainlib.models.spec import ModelSpec, StageRoots
 
     return ModelSpec(
@@ -37,6 +38,7 @@ def _spec():
         block_forward_flops=block_forward_flops,
         block_shapes=block_shapes,
         state_dict_adapter=state_dict_adapter,
+        param_role=moe_param_role,
     )
 
 
