@@ -10,6 +10,8 @@ from trainlib.plan.core import load_job, make_plan, memory_floor
 from trainlib.plan.hardware import ASSUMPTIONS, GPUS, GiB
 
 AC_MODES = ("none", "selective_op", "full")
+MANY_EXPERTS = 64  # from this many experts, expert parallel is also tried across nodes ...
+MAX_EP = 64  # ... up to this degree (DeepSeek-V3's report trains with 64-way expert parallel over 8 nodes)
 
 
 def _divisors(n: int) -> list[int]:
@@ -30,7 +32,9 @@ def layouts(world_size: int, kv_heads: int, n_layers: int, gpus_per_node: int, n
     """Every layout --suggest tries, in the order it tries them (the order ties keep), as overrides:
     (the degrees, the pipeline schedule's). With `n_experts` (an MoE model), each layout also with every
     expert-parallel degree that divides the experts and dp_shard x cp x tp, up to a node's GPUs (the
-    all-to-all on NVLink); with cp > 1, each CP method (`cp_methods`)."""
+    all-to-all on NVLink) and, for models of at least MANY_EXPERTS experts, beyond a node up to
+    MAX_EP (the all-to-all over the network; what keeps DeepSeek-V3-sized expert sets from being
+    FSDP-gathered over the network every step); with cp > 1, each CP method (`cp_methods`)."""
     for tp in [d for d in _divisors(kv_heads) if d <= gpus_per_node and world_size % d == 0]:
         for pp in [d for d in _divisors(world_size // tp) if d <= min(n_layers, 16)]:
             for cp in [c for c in (1, 2, 4) if (world_size // (tp * pp)) % c == 0]:
@@ -49,7 +53,9 @@ def layouts(world_size: int, kv_heads: int, n_layers: int, gpus_per_node: int, n
                         # an MoE model's layout names its ep, 1 included: left out, the recipe's own ep would
                         # make it the same layout as one of the ep rows below
                         yield [*layout, "parallelism.ep=1"] if n_experts else layout, schedule
-                        for ep in [e for e in _divisors(n_experts) if 1 < e <= gpus_per_node and span % e == 0]:
+                        most = MAX_EP if n_experts >= MANY_EXPERTS else gpus_per_node
+                        for ep in [e for e in _divisors(n_experts) if 1 < e <= max(most, gpus_per_node)
+                                   and span % e == 0]:
                             yield [*layout, f"parallelism.ep={ep}"], schedule
 
 
