@@ -17,7 +17,6 @@ from trainlib.models import layers
 from trainlib.models.deepseek_v3 import (
     MLA,
     MTPModule,
-    MoEBlock,
     Transformer,
     block_forward_flops,
     flops_per_token,
@@ -100,10 +99,10 @@ def test_debug_deepseek_builds_on_meta_and_cpu_initialises_and_learns():
         meta = Transformer(args, rope_len=32)
     assert list(dict(meta.named_children())) == ["tok_embeddings", "layers", "norm", "output", "mtp"]
     assert type(meta.layers["0"]) is layers.TransformerBlock and isinstance(meta.layers["0"].attention, MLA)
-    assert all(type(meta.layers[i]) is MoEBlock and isinstance(meta.layers[i].moe, MoE) for i in "123")
+    assert all(type(meta.layers[i]) is layers.MoEBlock and isinstance(meta.layers[i].moe, MoE) for i in "123")
     assert isinstance(meta.layers["1"].attention, attention.Attention)
     mtp = meta.mtp["0"]
-    assert type(mtp) is MTPModule and type(mtp.transformer_layer) is MoEBlock and mtp.eh_proj.weight.shape == (64, 128)
+    assert type(mtp) is MTPModule and type(mtp.transformer_layer) is layers.MoEBlock and mtp.eh_proj.weight.shape == (64, 128)
     att = meta.layers["1"].attention
     assert (att.wq_a.weight.shape, att.wq_b.weight.shape, att.wkv_a.weight.shape, att.wkv_b.weight.shape,
             att.wo.weight.shape) == ((32, 64), (4 * 24, 32), (32 + 8, 64), (4 * 32, 32), (64, 64))

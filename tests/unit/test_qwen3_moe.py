@@ -17,7 +17,6 @@ from trainlib.models import count_params, layers
 from trainlib.blocks.moe import MoE, MoEArgs
 from trainlib.models.qwen3_moe import (
     SPEC,
-    MoEBlock,
     Transformer,
     block_forward_flops,
     block_shapes,
@@ -70,7 +69,7 @@ def test_debug_moe_builds_on_meta_and_cpu_initialises_and_learns():
     assert list(meta.layers.keys()) == ["0", "1", "2", "3"]
     assert list(dict(meta.named_children())) == ["tok_embeddings", "layers", "norm", "output"]
     assert type(meta.layers["0"]) is layers.TransformerBlock and hasattr(meta.layers["0"], "feed_forward")
-    assert all(type(meta.layers[i]) is MoEBlock and isinstance(meta.layers[i].moe, MoE) for i in "123")
+    assert all(type(meta.layers[i]) is layers.MoEBlock and isinstance(meta.layers[i].moe, MoE) for i in "123")
     assert isinstance(meta.layers["1"].attention, attention.Attention)
     moe = meta.layers["1"].moe
     assert moe.experts.w1.shape == moe.experts.w3.shape == (8, 32, 64) and moe.experts.w2.shape == (8, 64, 32)

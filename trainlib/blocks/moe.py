@@ -374,7 +374,8 @@ class MoE(nn.Module):
         delta = torch.sign(tokens_per_expert.mean() - tokens_per_expert)
         self.expert_bias += self.cfg.bias_update_rate * (delta - delta.mean())
 
-    def param_init_spec(self, name: str, n_layers: int) -> tuple[str, float]:
+    @staticmethod
+    def param_init_spec(name: str, n_layers: int) -> tuple[str, float]:
         """How the parameter `name` (relative to this module) starts: the down projections depth-scaled
         like the dense blocks' residual outputs."""
         if name.endswith("w2.weight") or name == "experts.w2":

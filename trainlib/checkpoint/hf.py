@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from trainlib.errors import ConfigError
-from trainlib.models.registry import MODELS, get_model_spec
+from trainlib.models.registry import MODELS
 from trainlib.models.spec import ModelSpec
 from trainlib.params import canonical_name, copy_full_
 

@@ -17,6 +17,7 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from trainlib.blocks.attention import document_mask
+from trainlib.blocks.moe import MoE
 
 
 class RMSNorm(nn.Module):
@@ -55,6 +56,23 @@ class TransformerBlock(nn.Module):
                 ) -> torch.Tensor:
         x = x + self.attention(self.attention_norm(x), rope, mask)
         return x + self.feed_forward(self.ffn_norm(x))
+
+
+class MoEBlock(nn.Module):
+    """Pre-norm block: a family's attention and an MoE feed-forward (trainlib.blocks.moe.MoE), each behind an
+    RMSNorm and a residual add."""
+
+    def __init__(self, dim: int, norm_eps: float, attention: nn.Module, moe: MoE):
+        super().__init__()
+        self.attention_norm = RMSNorm(dim, norm_eps)
+        self.attention = attention
+        self.ffn_norm = RMSNorm(dim, norm_eps)
+        self.moe = moe
+
+    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
+                ) -> torch.Tensor:
+        x = x + self.attention(self.attention_norm(x), rope, mask)
+        return x + self.moe(self.ffn_norm(x))
 
 
 class DecoderLM(nn.Module):
@@ -137,6 +155,12 @@ class DecoderLM(nn.Module):
     # ---- initialisation -------------------------------------------------
     def init_buffers(self, device: torch.device | str | None = None) -> None:
         self.rope = self.rope_table(self.args, self.rope_len, device=device)
+        for moe in self.moe_modules():
+            moe.init_buffers(device)
+
+    def moe_modules(self) -> list[MoE]:
+        """The MoE feed-forwards of the blocks this module holds (a pipeline stage holds some)."""
+        return [m for m in self.modules() if isinstance(m, MoE)]
 
     def param_init_spec(self, name: str) -> tuple[str, float]:
         """How the parameter called `name` (a checkpoint key) is initialised:
@@ -144,7 +168,11 @@ class DecoderLM(nn.Module):
         mutates tensors, so a distributed initialiser can generate exactly the
         same values for any sharding (see trainlib.parallel.init). Every norm
         gain (QK-norm's too) starts at 1; tied, the one matrix takes the
-        output projection's scale."""
+        output projection's scale. Inside an MoE feed-forward (`<...>.moe.<rest>`,
+        an MTP block's too) the MoE's own (`MoE.param_init_spec`: router and
+        experts' w1/w3 0.02, the experts' w2 depth-scaled like wo)."""
+        if ".moe." in name:
+            return MoE.param_init_spec(name.split(".moe.", 1)[1], self.args.n_layers)
         if name.endswith("norm.weight"):
             return ("ones", 0.0)
         if name == "tok_embeddings.weight":

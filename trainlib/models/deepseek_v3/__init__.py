@@ -13,12 +13,12 @@ from trainlib.models.deepseek_v3.args import FLAVORS, NAME, ModelArgs, get_model
 from trainlib.models.lazy import lazy_attributes
 
 # name -> the submodule that defines it (None: the name is a submodule)
-_MODULE_OF = {"MLA": "model", "MTPModule": "model", "MoEBlock": "model", "Transformer": "model",
+_MODULE_OF = {"MLA": "model", "MTPModule": "model", "Transformer": "model",
               "block_forward_flops": "model", "block_shapes": "model", "flops_per_token": "model",
               "param_role": "model", "parallelize_deepseek_v3": "parallelize", "tp_plan": "parallelize",
               "validate_degrees": "parallelize", "state_dict_adapter": None}
 
-__all__ = ["FLAVORS", "MLA", "MTPModule", "ModelArgs", "MoEBlock", "SPEC", "Transformer", "block_forward_flops",
+__all__ = ["FLAVORS", "MLA", "MTPModule", "ModelArgs", "SPEC", "Transformer", "block_forward_flops",
            "block_shapes", "flops_per_token", "get_model_args", "param_role", "parallelize_deepseek_v3",
            "state_dict_adapter", "tp_plan", "validate_degrees"]
 

@@ -17,7 +17,7 @@ Attention is multi-head latent attention (`MLA`):
 The latent norms (q_norm, kv_norm) use eps 1e-6 whatever norm_eps is, as DeepSeek's code and transformers do.
 
 Blocks: the first `n_dense_layers` are dense (`layers.TransformerBlock` around MLA, its MLP `feed_forward`);
-the rest `MoEBlock`s, whose `moe` is `trainlib.blocks.moe.MoE` with the flavor's routing (sigmoid scores,
+the rest `layers.MoEBlock`s, whose `moe` is `trainlib.blocks.moe.MoE` with the flavor's routing (sigmoid scores,
 groups ranked by their top-2 sum, weights normalised and scaled, shared experts, the aux-free bias
 `expert_bias`, which the hub stores as `e_score_correction_bias`).
 
@@ -49,7 +49,7 @@ from trainlib.models.deepseek_v3.args import FLAVORS, ModelArgs, get_model_args,
 from trainlib.models.layers import RMSNorm
 from trainlib.models.spec import BlockShape
 
-__all__ = ["FLAVORS", "MLA", "MTPModule", "MoEBlock", "ModelArgs", "SharedKeyRope", "Transformer", "apply_rope",
+__all__ = ["FLAVORS", "MLA", "MTPModule", "ModelArgs", "SharedKeyRope", "Transformer", "apply_rope",
            "block_forward_flops", "block_shapes", "flops_per_token", "get_model_args", "param_role",
            "precompute_rope"]
 
@@ -165,22 +165,6 @@ class MLA(attention.Attention):
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
 
-class MoEBlock(nn.Module):
-    """Pre-norm block: MLA and an MoE feed-forward, each behind an RMSNorm and a residual add."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = MLA(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.moe = MoE(args.dim, args.moe)
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
-                ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, mask)
-        return x + self.moe(self.ffn_norm(x))
-
-
 class MTPModule(nn.Module):
     """One multi-token prediction depth: h_k = transformer_layer(eh_proj(cat(enorm(e), hnorm(h_{k-1})))),
     and `norm` for its output (the hub's shared_head.norm)."""
@@ -206,7 +190,7 @@ class Transformer(layers.DecoderLM):
     def make_block(args: ModelArgs, index: int) -> nn.Module:
         if index < args.n_dense_layers:
             return layers.TransformerBlock(args.dim, args.ffn_dim, args.norm_eps, MLA(args))
-        return MoEBlock(args)
+        return layers.MoEBlock(args.dim, args.norm_eps, MLA(args), MoE(args.dim, args.moe))
 
     rope_table = staticmethod(precompute_rope)
 
@@ -253,24 +237,6 @@ class Transformer(layers.DecoderLM):
     def _head(self, norm: nn.Module | None, h: torch.Tensor) -> torch.Tensor:
         h = norm(h) if norm is not None else h
         return self.output(h) if self.output is not None and self.output_in_forward else h
-
-    def moe_modules(self) -> list[MoE]:
-        """The MoE feed-forwards of the blocks this module holds (MTP blocks included)."""
-        return [m for m in self.modules() if isinstance(m, MoE)]
-
-    def init_buffers(self, device: torch.device | str | None = None) -> None:
-        super().init_buffers(device)
-        for moe in self.moe_modules():
-            moe.init_buffers(device)
-
-    def param_init_spec(self, name: str) -> tuple[str, float]:
-        """DecoderLM's (norm gains 1, embedding 1, output dim^-0.5, attention's wo and the dense MLP's w2
-        depth-scaled 0.02 / sqrt(2 * n_layers), the rest 0.02), except inside an MoE (`<...>.moe.<rest>`,
-        the MTP blocks' too): the MoE's own (`MoE.param_init_spec`)."""
-        if ".moe." in name:
-            moe = next(m for m in self.modules() if isinstance(m, MoE))  # every MoE of the model starts alike
-            return moe.param_init_spec(name.split(".moe.", 1)[1], self.args.n_layers)
-        return super().param_init_spec(name)
 
 
 def param_role(name: str) -> str:

@@ -12,9 +12,9 @@ from trainlib.models.lazy import lazy_attributes
 from trainlib.models.qwen3_moe.args import FLAVORS, NAME, ModelArgs, get_model_args
 
 # name -> the submodule that defines it (None: the name is a submodule)
-_MODULE_OF = {"MoEBlock": "model", "Transformer": "model", "block_forward_flops": "model", "block_shapes": "model", "flops_per_token": "model", "parallelize_qwen3_moe": "parallelize", "validate_degrees": "parallelize", "state_dict_adapter": None}
+_MODULE_OF = {"Transformer": "model", "block_forward_flops": "model", "block_shapes": "model", "flops_per_token": "model", "parallelize_qwen3_moe": "parallelize", "validate_degrees": "parallelize", "state_dict_adapter": None}
 
-__all__ = ['FLAVORS', 'ModelArgs', 'MoEBlock', 'SPEC', 'Transformer', 'block_forward_flops', 'block_shapes', 'flops_per_token', 'get_model_args', 'parallelize_qwen3_moe', 'state_dict_adapter', 'validate_degrees']
+__all__ = ['FLAVORS', 'ModelArgs', 'SPEC', 'Transformer', 'block_forward_flops', 'block_shapes', 'flops_per_token', 'get_model_args', 'parallelize_qwen3_moe', 'state_dict_adapter', 'validate_degrees']
 
 
 def _spec():

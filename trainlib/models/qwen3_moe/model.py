@@ -7,7 +7,7 @@ a softmax router picks `top_k` of `n_experts` SwiGLU experts per token and
 renormalises their weights to sum to 1 (Qwen3-MoE's `norm_topk_prob`).
 
 Blocks: the first `n_dense_layers` are Qwen3's dense block
-(`layers.TransformerBlock`, its MLP `feed_forward`); the rest are `MoEBlock`s
+(`layers.TransformerBlock`, its MLP `feed_forward`); the rest are `layers.MoEBlock`s
 (their MoE `moe`). The published flavors have no dense blocks; Hugging Face
 states dense blocks as `mlp_only_layers` (see state_dict_adapter.py).
 
@@ -18,36 +18,17 @@ pipeline stages; nothing here imports torch.distributed).
 
 from __future__ import annotations
 
-import torch
 from torch import nn
-from torch.nn.attention.flex_attention import BlockMask
 
 from trainlib.models import layers
 from trainlib.models.qwen3_moe.args import FLAVORS, ModelArgs, get_model_args
-from trainlib.models.layers import RMSNorm
 from trainlib.blocks.moe import MoE, MoEArgs
 from trainlib.models.qwen3.model import Attention, apply_rope, precompute_rope
 from trainlib.models.spec import BlockShape
 
-__all__ = ["FLAVORS", "Attention", "MoEArgs", "MoEBlock", "ModelArgs", "Transformer", "active_params_per_block",
+__all__ = ["FLAVORS", "Attention", "MoEArgs", "ModelArgs", "Transformer", "active_params_per_block",
            "apply_rope", "block_forward_flops", "block_shapes", "flops_per_token", "get_model_args",
            "precompute_rope"]
-
-
-class MoEBlock(nn.Module):
-    """Pre-norm block: Qwen3's attention and an MoE feed-forward, each behind an RMSNorm and a residual add."""
-
-    def __init__(self, args: ModelArgs):
-        super().__init__()
-        self.attention_norm = RMSNorm(args.dim, args.norm_eps)
-        self.attention = Attention(args)
-        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
-        self.moe = MoE(args.dim, args.moe)
-
-    def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
-                ) -> torch.Tensor:
-        x = x + self.attention(self.attention_norm(x), rope, mask)
-        return x + self.moe(self.ffn_norm(x))
 
 
 class Transformer(layers.DecoderLM):
@@ -57,28 +38,9 @@ class Transformer(layers.DecoderLM):
     def make_block(args: ModelArgs, index: int) -> nn.Module:
         if index < args.n_dense_layers:
             return layers.TransformerBlock(args.dim, args.ffn_dim, args.norm_eps, Attention(args))
-        return MoEBlock(args)
+        return layers.MoEBlock(args.dim, args.norm_eps, Attention(args), MoE(args.dim, args.moe))
 
     rope_table = staticmethod(precompute_rope)
-
-    def moe_modules(self) -> list[MoE]:
-        """The MoE feed-forwards of the blocks this module holds (a pipeline stage holds some)."""
-        return [m for m in self.modules() if isinstance(m, MoE)]
-
-    def init_buffers(self, device: torch.device | str | None = None) -> None:
-        super().init_buffers(device)
-        for moe in self.moe_modules():
-            moe.init_buffers(device)
-
-    def param_init_spec(self, name: str) -> tuple[str, float]:
-        """DecoderLM's, except inside an MoE (`layers.<i>.moe.<rest>`): the MoE's own
-        (`MoE.param_init_spec`): router gate and experts' w1/w3 trunc_normal 0.02, the experts' w2 (the
-        residual-branch output) depth-scaled 0.02 / sqrt(2 * n_layers)."""
-        if name.startswith("layers.") and ".moe." in name:
-            index, rest = name.split(".")[1], name.split(".moe.", 1)[1]
-            moe = next(m for m in self.layers[index].modules() if isinstance(m, MoE))
-            return moe.param_init_spec(rest, self.args.n_layers)
-        return super().param_init_spec(name)
 
 
 # --------------------------------------------------------------------------- FLOPs and shapes
