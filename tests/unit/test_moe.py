@@ -348,3 +348,35 @@ def test_compiled_block_computes_what_eager_does_with_its_one_graph_break():
     assert runs[0][2][8] > 0 and runs[0][2][10:].abs().min() > 0  # drops and all three auxiliary terms
     for eager, compiled in zip(*runs, strict=True):
         torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-7)
+
+
+def test_a_family_chooses_the_moe_parts_and_the_axes_find_them_by_base_class():
+    """MoE(router=, experts=, shared_experts=): a family's own subclasses replace the parts; moe_layers and the
+    parallel code find them by the base classes (trainlib.blocks.moe), so nothing else changes."""
+    from trainlib.blocks.moe import GroupedExperts, Router, SharedExperts
+
+    class FirstExpertFirst(Router):  # a routing rule of its own: every token's first choice is expert 0
+        def forward(self, x, bias=None):
+            top_idx, weights, scores, logits = super().forward(x, bias)
+            top_idx = top_idx.clone()
+            top_idx[:, 0] = 0
+            return top_idx, weights, scores, logits
+
+    class Experts(GroupedExperts):
+        pass
+
+    class Shared(SharedExperts):
+        pass
+
+    args = MoEArgs(n_experts=4, top_k=2, expert_dim=8, n_shared_experts=1)
+    moe = MoE(16, args, router=FirstExpertFirst, experts=Experts, shared_experts=Shared)
+    assert (type(moe.router), type(moe.experts), type(moe.shared_experts)) == (FirstExpertFirst, Experts, Shared)
+    for p in moe.parameters():
+        torch.nn.init.normal_(p, std=0.1)
+    moe(torch.randn(2, 5, 16))
+    counts = moe.take_stats()[:4]
+    assert counts[0] >= 10  # each of the 10 tokens chose expert 0
+    holder = torch.nn.Module()
+    holder.layers = torch.nn.ModuleDict({"0": torch.nn.Module()})
+    holder.layers["0"].moe = moe
+    assert moe_layers([holder]) == {0: moe}

@@ -64,7 +64,8 @@ from torch import nn
 from trainlib.blocks.config import MoEArgs, MoEConfig
 from trainlib.blocks.paths import block_paths
 
-__all__ = ["GroupedExperts", "MoE", "MoEArgs", "MoEConfig", "Router", "aux_loss_scale", "moe_layers", "uncounted"]
+__all__ = ["GroupedExperts", "MoE", "MoEArgs", "MoEConfig", "Router", "SharedExperts", "aux_loss_scale", "moe_layers",
+           "uncounted"]
 
 
 # ----------------------------------------------------------------- the aux-loss scale
@@ -221,7 +222,9 @@ def _gmm(x: torch.Tensor, w: torch.Tensor, offs: torch.Tensor) -> torch.Tensor:
     return _ContiguousGrad.apply(torch._grouped_mm(x, w.transpose(-2, -1), offs=offs))
 
 
-class _SharedExperts(nn.Module):
+class SharedExperts(nn.Module):
+    """Experts every token goes through, as one gated MLP (n_shared_experts * expert_dim wide)."""
+
     def __init__(self, dim: int, hidden: int):
         super().__init__()
         self.w1 = nn.Linear(dim, hidden, bias=False)
@@ -247,13 +250,16 @@ class MoE(nn.Module):
 
     N_STATS = 5  # the entries of `stats`, in take_stats's order after the E counts
 
-    def __init__(self, dim: int, args: MoEArgs):
+    def __init__(self, dim: int, args: MoEArgs, *, router: type[Router] = Router,
+                 experts: type[GroupedExperts] = GroupedExperts, shared_experts: type[SharedExperts] = SharedExperts):
+        """`router`, `experts`, `shared_experts`: the parts' classes, a family's own subclasses where its
+        routing or experts differ (the parallel axes find the parts by these base classes)."""
         super().__init__()
         args.validate()
         self.args = args
-        self.router = Router(dim, args)
-        self.experts = GroupedExperts(dim, args.expert_dim, args.n_experts)
-        self.shared_experts = (_SharedExperts(dim, args.n_shared_experts * args.expert_dim)
+        self.router = router(dim, args)
+        self.experts = experts(dim, args.expert_dim, args.n_experts)
+        self.shared_experts = (shared_experts(dim, args.n_shared_experts * args.expert_dim)
                                if args.n_shared_experts else None)
         self.cfg = MoEConfig()
         self.register_buffer("expert_bias", torch.zeros(args.n_experts), persistent=True)

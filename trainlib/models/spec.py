@@ -18,6 +18,12 @@ single-device PyTorch, built on the meta device):
     stages (the forward skips them), and `output_module`, an nn.Linear
     projection the chunked loss may apply itself when `output_in_forward` is
     set False;
+  - an MoE feed-forward is `trainlib.blocks.moe.MoE`: the family chooses its
+    parts' classes (`router`, `experts`, `shared_experts`: subclasses of
+    Router, GroupedExperts, SharedExperts, which the axes find by base class),
+    and MoEArgs its routing (softmax or sigmoid scores, expert groups ranked by
+    their best score or the sum of their two best, route normalisation and
+    scale; the auxiliary-loss-free bias is the MoE's `expert_bias` buffer);
   - every attention module subclasses `trainlib.blocks.attention.Attention` and
     runs its kernel as `self.sdpa(q, k, v, mask, scale=None)` (v may be narrower
     than q and k; context parallelism routes it);
