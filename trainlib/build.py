@@ -111,6 +111,8 @@ def build_model_parts(cfg, dims: ParallelDims, device: torch.device, resolved: R
                         loss_parallel=par.tp_loss_parallel,
                         moe_experts={i: block.args.n_experts for i, block in moe.items()},
                         prepare=prepare, objective=objective)
+    if cfg.optimizer.name == "muon" and cfg.optimizer.muon.qk_clip_threshold > 0:  # MuonClip
+        runner.enable_qk_clip(cfg.optimizer.muon.qk_clip_threshold)
     if cfg.float8.enable:  # the next step's float8 scales, where FSDP gathers float8 weights
         runner.add_after_optimizer_step(partial(float8_post_optimizer_step, parts, cfg.float8))
     return ModelParts(parts, pipeline, args, n_params, loss_fn, autocast, chunk_tokens, copies, runner)

@@ -20,6 +20,15 @@ the host knows it (`withheld` True) no hook runs; when only the device knows it
 (fused AdamW's gate, `withheld` a bool tensor) the MoE update is computed and
 discarded on the device (no host sync), and other hooks see the weights the
 step left unchanged (float8's scales come out the same).
+
+MuonClip (`enable_qk_clip(tau)`, `optimizer.muon.qk_clip_threshold`): every
+attention kernel records its heads' max logits in the forward; after the
+forward and backward they are assembled per global head (TP's head slices at
+the rank's offset) and reduced by max over the ranks that split the batch
+(`dp_cp`) and the heads (`tp`), the overall max is the step's `max_attn_logit`
+(over `pp` too), and after the optimizer step every head whose max exceeded
+tau gets its W_q and W_k rows rescaled so its logits scale by tau / max (the
+family's `qk_clip_factors`); a withheld step rescales nothing.
 """
 
 from __future__ import annotations
@@ -31,8 +40,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate
 
+from trainlib.blocks.attention import Attention
 from trainlib.blocks.moe import MoE, aux_loss_scale, moe_layers
+from trainlib.errors import ConfigError
 from trainlib.parallel.cp import local_micro_batches
 from trainlib.parallel.parallel_dims import ParallelDims
 from trainlib.parallel.pp import Pipeline
@@ -65,11 +77,31 @@ class StepRunner:
     _moe: dict[int, MoE] = field(default_factory=dict, repr=False)  # this rank's MoE blocks by layer index
     _moe_counts: torch.Tensor | None = field(default=None, repr=False)  # the last step's global counts
     _withheld: torch.Tensor | None = field(default=None, repr=False)  # the device's verdict, during the hooks
+    qk_clip: float = 0.0  # MuonClip's tau (enable_qk_clip); 0: off, nothing measured
+    _attn: list[Attention] = field(default_factory=list, repr=False)  # this rank's attention modules (MuonClip)
+    _max_logits: torch.Tensor | None = field(default=None, repr=False)  # [layers here, heads]: the last step's
 
     def __post_init__(self) -> None:
         self._moe = moe_layers(self.parts)
         if self.moe_experts:
             self.add_after_optimizer_step(self._moe_after_step)
+
+    def enable_qk_clip(self, tau: float) -> None:
+        """MuonClip with threshold `tau` (see the module docstring): measure every attention kernel's per-head
+        max logit from now on, log it, and rescale the heads above `tau` after each optimizer step."""
+        if self.dims.cp_enabled:
+            raise ConfigError(f"optimizer.muon.qk_clip_threshold = {tau} with context parallelism (cp = "
+                              f"{self.dims.cp}): MuonClip's logit measurement is not built for CP's query and "
+                              f"head shards; set parallelism.cp = 1 or qk_clip_threshold = 0")
+        attn = [m for part in self.parts for m in part.modules() if isinstance(m, Attention)]
+        for m in attn:
+            if type(m).qk_clip_factors is Attention.qk_clip_factors:  # the family declares none
+                raise ConfigError(f"optimizer.muon.qk_clip_threshold = {tau}: {type(m).__module__}."
+                                  f"{type(m).__name__} has no per-head W_q/W_k rescale (QK-norm: the norms undo "
+                                  f"one, and their gains are shared by every head); set qk_clip_threshold = 0")
+            m.measure_max_logits()
+        self.qk_clip, self._attn = tau, attn
+        self.add_after_optimizer_step(self._qk_clip_after_step)
 
     def local(self, micro_batches: list[dict]) -> list[dict]:
         """The micro-batches as this rank feeds them to the model: document ids, then its CP chunks."""
@@ -98,6 +130,8 @@ class StepRunner:
         if self.replica is not None:
             self.replica.all_reduce_sum([n_targets])
         micro_batches = self.local(micro_batches)
+        for m in self._attn:  # what an evaluation measured is not this step's
+            m.max_logit = None
         for block in self._moe.values():  # what an evaluation routed since the last step is not this step's
             block.take_stats()
         terms: dict[str, torch.Tensor] = {}  # the family objective's named terms (this rank's share)
@@ -121,6 +155,8 @@ class StepRunner:
                     for name, term in mb_terms.items():
                         terms[name] = terms.get(name, 0) + term.detach() / n_targets
         aux = self._moe_aux()
+        if self.qk_clip:
+            aux["max_attn_logit"] = self._take_max_logits()
         local_terms = self._local_terms(terms)
         if self.replica is not None:  # sums over the live replica groups (fault tolerance)
             stats = [aux["moe_stats"]] if "moe_stats" in aux else []
@@ -173,6 +209,45 @@ class StepRunner:
                 dist.all_reduce(stats, group=self.dims.mesh(name).get_group())
             stats = stats.view(n_layers, width)
         return stats
+
+    def _take_max_logits(self) -> torch.Tensor:
+        """This step's max logits per head of this rank's attention layers, reduced over the ranks that split
+        the batch and the heads (`self._max_logits`, [layers here, global heads]); returns the max over every
+        layer and head of the whole model (a device scalar)."""
+        tp = self.dims.mesh("tp") if self.dims.tp_enabled else None
+        rows = []
+        for m in self._attn:
+            local, m.max_logit = m.max_logit, None
+            n = local.numel()  # this rank's heads: under TP the rank's contiguous slice of the whole layer's
+            row = torch.full((n * (tp.size() if tp else 1),), float("-inf"), device=local.device)
+            offset = n * tp.get_local_rank() if tp else 0
+            row[offset:offset + n] = local
+            rows.append(row)
+        logits = torch.stack(rows) if rows else torch.full((0, 1), float("-inf"), device=self.device)
+        distributed = dist.is_initialized() and dist.get_world_size() > 1
+        if distributed:
+            for name in ("dp_cp", "tp"):
+                dist.all_reduce(logits, op=dist.ReduceOp.MAX, group=self.dims.mesh(name).get_group())
+        self._max_logits = logits
+        overall = logits.max() if logits.numel() else torch.tensor(float("-inf"), device=self.device)
+        if distributed and self.dims.pp_enabled:  # pipeline stages hold different layers
+            dist.all_reduce(overall, op=dist.ReduceOp.MAX, group=self.dims.mesh("pp").get_group())
+        return overall
+
+    @torch.no_grad()
+    def _qk_clip_after_step(self) -> None:
+        """MuonClip's rescale after the update: gamma = tau / max logit for the heads above tau, 1 elsewhere
+        (multiplying by 1 is exact: no host sync to find the clipped heads); all 1 when the device withheld
+        the step."""
+        if self._max_logits is None:
+            return
+        logits, self._max_logits = self._max_logits, None
+        scales = torch.where(logits > self.qk_clip, self.qk_clip / logits, torch.ones_like(logits))
+        if self._withheld is not None:
+            scales = torch.where(self._withheld, torch.ones_like(scales), scales)
+        for m, row in zip(self._attn, scales):
+            for weight, factor in m.qk_clip_factors(row):
+                _scale_rows_(weight, factor)
 
     def _moe_aux(self) -> dict:
         """The step's MoE values (device tensors; `aux_fields` reads them on the host at log steps)."""
@@ -242,6 +317,16 @@ class StepRunner:
         return torch.autocast(self.device.type, self.autocast_dtype, **kwargs)
 
 
+def _scale_rows_(weight: torch.Tensor, factor: torch.Tensor) -> None:
+    """weight[i] *= factor[i] for each row i of the whole weight; a DTensor (FSDP's or TP's row shards) scales
+    its local rows (the factor, replicated, is sliced like the weight: no communication)."""
+    factor = factor.to(weight.dtype).view(-1, *([1] * (weight.dim() - 1)))
+    if isinstance(weight, DTensor):
+        factor = DTensor.from_local(factor, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim,
+                                    run_check=False)
+    weight.mul_(factor)
+
+
 def _to_device(value, device: torch.device):
     if isinstance(value, torch.Tensor):
         return value.to(device)
@@ -261,6 +346,8 @@ def aux_fields(aux: dict) -> dict:
     each a token-loss sum over the global batch divided by its target count, as `loss` is."""
     out = {name: float(value) for name, value in aux.get("loss_terms", {}).items()}
     out.update(aux["ft"].take_fields() if "ft" in aux else {})  # fault tolerance: ft_participants, ft_quorum_ms, ft_heal_s
+    if "max_attn_logit" in aux:  # MuonClip: the step's largest attention logit, every layer and head
+        out["max_attn_logit"] = float(aux["max_attn_logit"])
     if "moe_stats" not in aux:
         return out
     stats, experts = aux["moe_stats"].double().cpu(), aux["moe_experts"]

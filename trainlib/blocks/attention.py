@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex_attention
 
-__all__ = ["Attention", "document_mask", "sdpa"]
+__all__ = ["Attention", "document_mask", "max_logits", "sdpa"]
 
 
 def document_mask(doc_ids: torch.Tensor, dtype: torch.dtype, q_positions: torch.Tensor | None = None,
@@ -76,9 +76,63 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=gqa, scale=scale)
 
 
+def max_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | BlockMask | None = None, *,
+               scale: float | None = None, chunk: int = 256) -> torch.Tensor:
+    """Each query head's largest attention logit, scale * q.k over the keys its queries see (causal, or
+    `mask` from `document_mask`), over the batch and the queries: [h] float32, detached. Arguments as
+    `sdpa`'s (a causal call has the queries and keys of one whole window). Computed `chunk` queries at a
+    time in float32, so the memory is b * h * chunk * s_k scores, never the whole score matrix."""
+    b, h, s, d = q.shape
+    h_kv, s_k = k.shape[1], k.shape[2]
+    scale = d ** -0.5 if scale is None else scale
+    qf = q.detach().float().unflatten(1, (h_kv, h // h_kv))  # [b, h_kv, group, s, d]: GQA without copies
+    kt = k.detach().float()[:, :, None].transpose(-1, -2)  # [b, h_kv, 1, d, s_k]
+    keys = torch.arange(s_k, device=q.device)
+    best = torch.full((h,), float("-inf"), device=q.device)
+    for i in range(0, s, chunk):
+        rows = torch.arange(i, min(i + chunk, s), device=q.device)
+        scores = (qf[..., i:i + len(rows), :] @ kt).flatten(1, 2) * scale  # [b, h, c, s_k]
+        if mask is None:
+            visible = (keys[None, :] <= rows[:, None])[None, None]
+        elif isinstance(mask, BlockMask):
+            zero = torch.zeros((), dtype=torch.long, device=q.device)
+            visible = mask.mask_mod(torch.arange(b, device=q.device)[:, None, None, None], zero,
+                                    rows[None, None, :, None], keys[None, None, None, :])
+        else:
+            visible = mask[..., i:i + len(rows), :] == 0  # the additive mask: 0 where seen, -inf where not
+        scores = scores.masked_fill(~visible, float("-inf"))
+        best = torch.maximum(best, scores.amax(dim=(0, 2, 3)))
+    return best
+
+
 class Attention(nn.Module):
-    """Base of every family's attention module (see the module docstring)."""
+    """Base of every family's attention module (see the module docstring).
+
+    MuonClip (`optimizer.muon.qk_clip_threshold`, trainlib.step): `measure_max_logits()` makes this
+    instance's kernel record each query head's max logit (`max_logits`) into `max_logit` on every call
+    (the running max until the step runner takes it); a family that supports the clip overrides
+    `qk_clip_factors`."""
 
     sdpa = staticmethod(sdpa)
+    max_logit: torch.Tensor | None = None
+
+    def measure_max_logits(self) -> None:
+        """Wrap this instance's kernel (whatever it is) so that each call records its heads' max logits."""
+        inner = self.sdpa
+
+        def measured(q, k, v, mask=None, *, scale=None):
+            with torch.no_grad():
+                m = max_logits(q, k, mask, scale=scale)
+            self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
+            return inner(q, k, v, mask, scale=scale)
+
+        self.sdpa = measured
+
+    def qk_clip_factors(self, scales: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """MuonClip's rescale: given `scales` [n_heads] (every query head of the whole model's layer, gamma_h =
+        min(1, tau / max logit_h)), the weights to multiply row-wise and each one's factor per output row
+        ([rows], the parameter's whole first dimension), such that head h's every logit scales by gamma_h.
+        A family whose attention does not override this has no such rescale: MuonClip is refused."""
+        raise NotImplementedError(f"{type(self).__name__} declares no per-head W_q/W_k rescale")
 
 

@@ -164,6 +164,17 @@ class MLA(attention.Attention):
         out = self.sdpa(q, k, v, mask, scale=self.softmax_scale)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
+    def qk_clip_factors(self, scales: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """MuonClip on the head-specific parts only (Kimi K2's rule for MLA): head h's q_nope rows (of wq or
+        wq_b) and its k_nope rows of wkv_b take sqrt(scales[h]), its q_pe rows scales[h], since the rope key
+        k_pe is shared by every head and stays as it is; the latents and their norms are untouched. Head
+        h's logit q_nope.k_nope + q_pe.k_pe then scales by scales[h]; its values (wkv_b's v rows) keep 1."""
+        root, ones = scales.sqrt()[:, None], torch.ones_like(scales)[:, None]
+        q_rows = torch.cat([root.expand(-1, self.nope), scales[:, None].expand(-1, self.rope_dim)], dim=1)
+        kv_rows = torch.cat([root.expand(-1, self.nope), ones.expand(-1, self.v_dim)], dim=1)
+        wq = self.wq_b if hasattr(self, "wq_a") else self.wq
+        return [(wq.weight, q_rows.reshape(-1)), (self.wkv_b.weight, kv_rows.reshape(-1))]
+
 
 class MTPModule(nn.Module):
     """One multi-token prediction depth: h_k = transformer_layer(eh_proj(cat(enorm(e), hnorm(h_{k-1})))),

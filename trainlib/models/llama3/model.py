@@ -93,6 +93,17 @@ class Attention(attention.Attention):
         out = self.sdpa(q, k, v, mask)
         return self.wo(out.transpose(1, 2).reshape(b, s, -1))
 
+    def qk_clip_factors(self, scales: torch.Tensor) -> list[tuple[nn.Parameter, torch.Tensor]]:
+        """MuonClip: head h's logits scale by scales[h]. Each kv head g takes sqrt(m_g), m_g the least scale
+        of the query heads sharing it, and query head h takes scales[h] / sqrt(m_g): with one query head per
+        kv head (MHA) both are sqrt(scales[h]) (Kimi K2's split), and under GQA every head's logits scale by
+        exactly its own factor (a head sharing keys with a clipped one is left as it was)."""
+        group = self.n_heads // self.n_kv_heads
+        k_scale = scales.view(self.n_kv_heads, group).amin(dim=1).sqrt()  # [n_kv_heads]
+        q_scale = scales / k_scale.repeat_interleave(group)
+        return [(self.wq.weight, q_scale.repeat_interleave(self.head_dim)),
+                (self.wk.weight, k_scale.repeat_interleave(self.head_dim))]
+
 class Transformer(layers.DecoderLM):
     """Llama 3: `layers.DecoderLM` with Llama's attention (adjacent-pair RoPE, Llama 3.1 frequency scaling)."""
 

@@ -74,6 +74,8 @@ class Attention(attention.Attention):
         # rank holds it whole, whatever slice of the heads it computes.
         self.q_norm = RMSNorm(self.head_dim, args.norm_eps)
         self.k_norm = RMSNorm(self.head_dim, args.norm_eps)
+        # MuonClip is refused here (qk_clip_factors stays None): the norms undo any rescale of wq's or wk's
+        # rows, and their gains are one vector shared by every head, so no weight scales one head's logits.
 
     def forward(self, x: torch.Tensor, rope: torch.Tensor, mask: torch.Tensor | BlockMask | None = None
                 ) -> torch.Tensor:

@@ -1,0 +1,119 @@
+"""MuonClip (optimizer.muon.qk_clip_threshold): the kernel's per-head max logit against a plain reference, the
+families' rescale bringing a head's max logit to tau, and the one-line refusals."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from tests.helpers import doc_ids_from_starts
+from trainlib.blocks.attention import document_mask, max_logits
+from trainlib.config import load_job_config
+from trainlib.errors import ConfigError
+
+
+def _reference(q, k, visible, scale):
+    """scale * q @ k^T per head, -inf where a key is not seen, max over batch, queries and keys: [h]."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = (q @ k.transpose(-1, -2) * scale).masked_fill(~visible, float("-inf"))
+    return scores.amax(dim=(0, 2, 3))
+
+
+@pytest.mark.parametrize("masking", ["causal", "document", "document_flex"])
+def test_max_logits_match_a_plain_reference(masking):
+    torch.manual_seed(0)
+    b, h, h_kv, s, d = 2, 4, 2, 40, 8
+    q, k = torch.randn(b, h, s, d), torch.randn(b, h_kv, s, d)
+    pos = torch.arange(s)
+    causal = pos[None, :] <= pos[:, None]
+    if masking == "causal":
+        mask, visible = None, causal[None, None]
+    else:
+        doc_ids = doc_ids_from_starts([[0, 7, 30], [0, 19]], s)
+        same = doc_ids[:, None, :] == doc_ids[:, :, None]  # [b, q, k]
+        visible = (causal[None] & same)[:, None]
+        mask = document_mask(doc_ids, torch.float32, flex=masking == "document_flex")
+    got = max_logits(q, k, mask, scale=0.3, chunk=16)  # 3 chunks of queries, the last one short
+    want = _reference(q, k, visible, 0.3)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    # a mask ignored would see later (larger) keys: the reference without it differs
+    assert not torch.allclose(got, _reference(q, k, torch.ones_like(visible), 0.3))
+
+
+def _measured_forward(attn, x, rope):
+    attn.max_logit = None
+    attn(x, rope)
+    out, attn.max_logit = attn.max_logit, None
+    return out
+
+
+def _attention(family: str):
+    if family == "llama3":
+        from trainlib.models.llama3.model import Attention, get_model_args, precompute_rope
+        args = get_model_args("debug")  # GQA: 4 query heads on 2 kv heads
+        return Attention(args), precompute_rope(args, 32), args.dim
+    from trainlib.models.deepseek_v3.model import MLA, get_model_args, precompute_rope
+    args = get_model_args("debug")
+    return MLA(args), precompute_rope(args, 32), args.dim
+
+
+@pytest.mark.parametrize("family", ["llama3", "deepseek_v3", "deepseek_v3_no_q_lora"])
+def test_the_rescale_brings_each_clipped_head_to_tau(family):
+    """Heads 0 and 3 over tau, 1 and 2 not: after the families' factors, 0 and 3 peak at tau exactly (to
+    rounding) and 1 and 2 keep their logits (under GQA head 1 shares its keys with head 0)."""
+    torch.manual_seed(0)
+    if family == "deepseek_v3_no_q_lora":
+        from trainlib.models.deepseek_v3.model import MLA, get_model_args, precompute_rope
+        args = dataclasses.replace(get_model_args("debug"), q_lora_rank=0)
+        attn, rope, dim = MLA(args), precompute_rope(args, 32), args.dim
+    else:
+        attn, rope, dim = _attention(family)
+    with torch.no_grad():
+        for p in attn.parameters():
+            p.mul_(4.0)  # large logits
+    attn.measure_max_logits()
+    x = torch.randn(2, 32, dim)
+    before = _measured_forward(attn, x, rope)
+    tau = torch.stack([before[0], before[3]]).min() * 0.5
+    scales = torch.ones_like(before)
+    scales[[0, 3]] = tau / before[[0, 3]]
+    touched = set()
+    with torch.no_grad():
+        for weight, factor in attn.qk_clip_factors(scales):
+            assert factor.shape == weight.shape[:1]
+            weight.mul_(factor[:, None])
+            touched.add(weight)
+    after = _measured_forward(attn, x, rope)
+    torch.testing.assert_close(after[[0, 3]], torch.stack([tau, tau]), rtol=1e-5, atol=0)
+    torch.testing.assert_close(after[[1, 2]], before[[1, 2]], rtol=1e-5, atol=0)
+    if family != "llama3":  # MLA: only the up-projections; the shared rope key and the latents are untouched
+        names = {n for n, p in attn.named_parameters() if p in touched}
+        assert names == {"wq_b.weight" if hasattr(attn, "wq_a") else "wq.weight", "wkv_b.weight"}
+
+
+def test_measurement_costs_nothing_when_off():
+    attn, rope, dim = _attention("llama3")
+    attn(torch.randn(1, 8, dim), rope)
+    assert attn.max_logit is None and "sdpa" not in vars(attn)
+
+
+@pytest.mark.parametrize("recipe,overrides,match", [
+    ("debug_qwen3", [], r"qwen3.model.Attention has no per-head W_q/W_k rescale \(QK-norm"),
+    ("debug", ["--parallelism.cp=2"], r"with context parallelism \(cp = 2\)"),
+])
+def test_unsupported_combinations_are_one_line(recipe, overrides, match, monkeypatch):
+    from tests.helpers import RECIPES, build_on_one_rank
+    from trainlib.parallel import ParallelDims
+
+    cfg = load_job_config(str(RECIPES / f"{recipe}.toml"),
+                          ["--optimizer.name=muon", "--optimizer.muon.qk_clip_threshold=5", *overrides])
+    if overrides:  # a CP layout needs 2 ranks to build; the check reads the dims first
+        from trainlib.step import StepRunner
+        dims = ParallelDims.from_config(dataclasses.replace(cfg.parallelism, dp_shard=1), 2)
+        runner = StepRunner([], None, None, dims, torch.device("cpu"))
+        with pytest.raises(ConfigError, match=match) as e:
+            runner.enable_qk_clip(5.0)
+    else:
+        with pytest.raises(ConfigError, match=match) as e:
+            build_on_one_rank(cfg)
+    assert "\n" not in str(e.value)
