@@ -104,13 +104,19 @@ _COUNTING = [True]
 
 @contextlib.contextmanager
 def uncounted():
-    """Forwards in this context route as usual but leave the routing statistics alone: a pipeline stage's
-    metadata inference (a forward on placeholder inputs before its first micro-batch) is not training."""
+    """Forwards in this context route as usual but leave the routing statistics (and MuonClip's attention
+    logit measurement, blocks.attention) alone: a pipeline stage's metadata inference (a forward on
+    placeholder inputs before its first micro-batch) is not training."""
     _COUNTING.append(False)
     try:
         yield
     finally:
         _COUNTING.pop()
+
+
+def counting() -> bool:
+    """Whether the forward now running is training's (not inside `uncounted`)."""
+    return _COUNTING[-1]
 
 
 def _counted() -> bool:
