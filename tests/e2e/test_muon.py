@@ -63,10 +63,10 @@ def test_muon_resume_is_bitwise_fsdp2_and_a_reshard_continues(tmp_path):
         assert abs(a - b) <= 1e-6 * abs(b), f"step {s}: {a} vs {b}"
 
 
-def _clip_run(layouts: list[str], tmp_path, tau: float = 0.02):
+def _clip_run(layouts: list[str], tmp_path, tau: float = 0.02, recipe: str = "debug.toml"):
     """The debug recipe under Muon with MuonClip at `tau` (below the untrained model's max logit, ~0.15, so
     every step clips): the one-process curve, each layout's, and every run's logged max_attn_logit."""
-    report = run_parity(str(RECIPES / "debug.toml"), layouts, steps=10, out_dir=tmp_path,
+    report = run_parity(str(RECIPES / recipe), layouts, steps=10, out_dir=tmp_path,
                         extra=[*MUON, f"--optimizer.muon.qk_clip_threshold={tau}"])
     logits = {}
     for run in [report.baseline, *report.runs]:
@@ -76,11 +76,11 @@ def _clip_run(layouts: list[str], tmp_path, tau: float = 0.02):
     return report, logits
 
 
-def _assert_clip_parity(layouts: list[str], tmp_path):
+def _assert_clip_parity(layouts: list[str], tmp_path, recipe: str = "debug.toml"):
     tau = 0.02
-    report, logits = _clip_run(layouts, tmp_path, tau)
+    report, logits = _clip_run(layouts, tmp_path, tau, recipe)
     print(report.table())
-    off = run_parity(str(RECIPES / "debug.toml"), [], steps=10, extra=MUON).baseline  # pooled: test above's
+    off = run_parity(str(RECIPES / recipe), [], steps=10, extra=MUON).baseline  # pooled: test above's
     # the clip changed the curve: by little over 10 steps (measured 2.2e-5 relative at most; attention moves
     # the untrained model's loss little), but beyond the tolerance and 20x the layouts' own differences
     effect = max(abs(a - b) / b for a, b in zip(report.baseline.losses, off.losses))
@@ -103,3 +103,9 @@ def test_muonclip_changes_the_curve_and_matches_under_fsdp(tmp_path):
 def test_muonclip_matches_under_tp_and_fsdp_tp(tmp_path):
     # TP2: each rank measures its heads (assembled per global head over tp); FSDP2xTP2 rescales 2-D shards.
     _assert_clip_parity(["tp=2", "dp_shard=2,tp=2", "pp=2"], tmp_path)
+
+
+@pytest.mark.slow
+def test_muonclip_on_mla_matches_under_tp_and_fsdp(tmp_path):
+    # DeepSeek-V3's MLA: only the head-specific rows (wq_b, wkv_b's k_nope) rescale; TP2 splits the heads.
+    _assert_clip_parity(["tp=2", "dp_shard=2"], tmp_path, "debug_deepseek.toml")
