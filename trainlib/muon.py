@@ -455,7 +455,8 @@ def _describe(optimizer: Muon, cfg: OptimizerConfig) -> str:
     n_muon = sum(len(g["params"]) for g in optimizer.param_groups if g["algorithm"] == "muon")
     n_adamw = sum(len(g["params"]) for g in optimizer.param_groups if g["algorithm"] == "adamw")
     return (f"muon on {n_muon} tensors ({', '.join(m.roles)}; {m.ns_steps} Newton-Schulz steps in "
-            f"{optimizer.defaults['ns_dtype']}{' (auto)' if m.ns_dtype == 'auto' else ''}, lr {m.adjust_lr}), "
+            f"{optimizer.defaults['ns_dtype']}{' (auto)' if m.ns_dtype == 'auto' else ''}, lr {m.adjust_lr}"
+            f"{f', MuonClip tau {m.qk_clip_threshold:g}' if m.qk_clip_threshold > 0 else ''}), "
             f"adamw on {n_adamw}")
 
 

@@ -80,6 +80,7 @@ def _assert_clip_parity(layouts: list[str], tmp_path, recipe: str = "debug.toml"
     tau = 0.02
     report, logits = _clip_run(layouts, tmp_path, tau, recipe)
     print(report.table())
+    assert f"lr match_rms_adamw, MuonClip tau {tau:g})" in report.baseline.output  # the start-up line says it
     off = run_parity(str(RECIPES / recipe), [], steps=10, extra=MUON).baseline  # pooled: test above's
     # the clip changed the curve: by little over 10 steps (measured 2.2e-5 relative at most; attention moves
     # the untrained model's loss little), but beyond the tolerance and 20x the layouts' own differences
