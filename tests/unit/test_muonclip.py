@@ -117,3 +117,40 @@ def test_unsupported_combinations_are_one_line(recipe, overrides, match, monkeyp
         with pytest.raises(ConfigError, match=match) as e:
             build_on_one_rank(cfg)
     assert "\n" not in str(e.value)
+
+
+def test_the_step_runner_rescales_after_a_step_unless_withheld():
+    """One process: a forward and backward measure, `max_attn_logit` is in the aux fields, a withheld step
+    (host or device verdict) leaves every weight as it was, an applied one brings the max logit to tau."""
+    from tests.helpers import RECIPES, build_on_one_rank
+    from trainlib.step import aux_fields
+
+    cfg = load_job_config(str(RECIPES / "debug.toml"), ["--optimizer.name=muon",
+                                                        "--optimizer.muon.qk_clip_threshold=0.05"])
+    from trainlib.parallel import init_model_weights
+
+    built = build_on_one_rank(cfg)
+    runner, (model,) = built.runner, built.parts
+    init_model_weights(model, 0, "cpu")
+    torch.manual_seed(0)
+    tokens = torch.randint(0, 512, (2, 65))
+    mbs = [{"input": tokens[:, :-1], "labels": tokens[:, 1:]}]
+
+    def step():
+        model.zero_grad()
+        return runner.forward_backward(mbs, torch.tensor(128.0))[1]
+
+    aux = step()
+    first = aux_fields(aux)["max_attn_logit"]
+    assert first > 0.05  # the untrained debug model's logits (about 0.15) exceed tau: every step clips
+    weights = {n: p.detach().clone() for n, p in model.named_parameters()}
+    for verdict in (True, torch.tensor(True)):
+        step()
+        runner.after_optimizer_step(verdict)
+        assert all(torch.equal(p, weights[n]) for n, p in model.named_parameters())
+    step()
+    runner.after_optimizer_step(torch.tensor(False))
+    changed = {n for n, p in model.named_parameters() if not torch.equal(p, weights[n])}
+    assert changed == {f"layers.{i}.attention.{w}.weight" for i in range(4) for w in ("wq", "wk")}
+    # the max head of the max layer, to fp32 rounding through the forward (measured 1.9e-5 relative)
+    assert abs(aux_fields(step())["max_attn_logit"] - 0.05) <= 1e-4 * 0.05
