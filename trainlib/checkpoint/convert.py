@@ -21,9 +21,13 @@ from trainlib.checkpoint.hf import (
     HF_SHARD_BYTES,
     HFWeights,
     LazyWeights,
+    _read_json,
+    _refuse_numbers_as_strings,
     args_from_dict,
+    checkpoint_format,
     read_hf_folder,
     spec_of_args,
+    spec_of_hf_config,
     write_hf_folder,
 )
 from trainlib.checkpoint.state import TrainState
@@ -123,6 +127,35 @@ def saved_model_args(ckpt_dir: str | os.PathLike, reader: FileSystemReader | Non
             return None
         (spec,) = matches
     return args_from_dict(values, spec)
+
+
+_RECORDED: dict[tuple, Any] = {}
+
+
+def recorded_model_args(path: str | os.PathLike) -> Any:
+    """The model shape `path` (checkpoint.initial_load_path) records, as its family's args: an HF folder's
+    config.json (checked as a load checks it) or a DCP checkpoint's recorded args; what model.flavor =
+    'from_checkpoint' trains. Read once per file version (the planner asks once per layout)."""
+    fmt = checkpoint_format(path)
+    marker = Path(path) / ("config.json" if fmt == "hf" else ".metadata")
+    key = (str(Path(path).resolve()), fmt, marker.stat().st_mtime_ns if marker.exists() else 0)
+    if key not in _RECORDED:
+        if fmt == "hf":
+            config = _read_json(marker)
+            _refuse_numbers_as_strings(config, marker)
+            args = spec_of_hf_config(config, marker).state_dict_adapter.args_from_hf_config(config)
+        elif fmt == "dcp":
+            args = saved_model_args(path)
+            if args is None:
+                raise ConfigError(f"checkpoint {path} does not record its model's shape (written before trainlib "
+                                  "recorded it), so model.flavor = 'from_checkpoint' has none to take: name the "
+                                  "model.flavor it was trained with")
+        else:
+            raise ConfigError(f"checkpoint.initial_load_path={str(path)!r} is a Meta folder, whose shape "
+                              "model.flavor = 'from_checkpoint' does not read: name its model.flavor, or convert it to a "
+                              "Hugging Face folder first")
+        _RECORDED[key] = args
+    return _RECORDED[key]
 
 
 class DCPWeights(LazyWeights):
