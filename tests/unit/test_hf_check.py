@@ -122,3 +122,16 @@ def test_from_checkpoint_takes_the_folders_shape_and_names_what_it_lacks(hf):
     with pytest.raises(ConfigError, match="holds a qwen3_moe model, but model.name is 'llama3': set model.name = "
                                           "'qwen3_moe'"):
         resolve_job_model(cfg)
+
+
+def test_convert_says_no_dcp_warning_either_way(hf, tmp_path, capsys):
+    """Issue 54 item 8: DCP warned "torch.distributed is disabled ..." on every conversion, though trainlib
+    converts in one process on purpose (no_dist=True); the two commands now print their one line each."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert main(["hf-to-dcp", str(hf), str(tmp_path / "dcp")]) == 0
+        assert main(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "back")]) == 0
+    assert not [str(w.message) for w in seen if "torch.distributed is disabled" in str(w.message)]
+    assert capsys.readouterr().out.count("\n") == 2

@@ -7,7 +7,9 @@ disk in this one process, one HF file's worth of weights at a time.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -38,6 +40,17 @@ _ARGS_PREFIX = "trainer.model_args."
 _NAME_KEY = "trainer.model_name"
 
 
+@contextlib.contextmanager
+def _one_process():
+    """DCP's save and load here, in one process on purpose (no_dist=True), without DCP's warning that
+    "torch.distributed is disabled ... assuming the intent is to save/load in a single process": torch 2.13
+    warns even when no_dist is passed, so every conversion printed it (twice for hf-to-dcp, once per export
+    file for dcp-to-hf); the intent is stated, and only that message is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
+
+
 def hf_to_dcp(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Any:
     """An HF folder (config.json + *.safetensors, sharded or not) as a DCP
     checkpoint holding the model and its shape; start training from it with
@@ -56,9 +69,10 @@ def hf_to_dcp(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Any:
     args, sd = read_hf_folder(hf_dir)
     model = {name: sd.planned(name) for name in sd}
     model.update(_initial_buffers(sd.spec, args, model))
-    dcp.save({"model": model, "trainer": TrainState(model_args=args, model_name=sd.spec.name)},
-             storage_writer=FileSystemWriter(str(out_dir), single_file_per_rank=False),
-             planner=_ConvertOnWrite(sd), no_dist=True)
+    with _one_process():
+        dcp.save({"model": model, "trainer": TrainState(model_args=args, model_name=sd.spec.name)},
+                 storage_writer=FileSystemWriter(str(out_dir), single_file_per_rank=False),
+                 planner=_ConvertOnWrite(sd), no_dist=True)
     return args
 
 
@@ -117,7 +131,8 @@ def saved_model_args(ckpt_dir: str | os.PathLike, reader: FileSystemReader | Non
     sd = {k: None for k in keys if k.startswith(_ARGS_PREFIX) or k == _NAME_KEY}
     if not any(k.startswith(_ARGS_PREFIX) for k in sd):
         return None
-    dcp.load(sd, storage_reader=reader, no_dist=True)
+    with _one_process():
+        dcp.load(sd, storage_reader=reader, no_dist=True)
     values = {k[len(_ARGS_PREFIX):]: v for k, v in sd.items() if k.startswith(_ARGS_PREFIX)}
     if _NAME_KEY in sd:
         spec = get_model_spec(sd[_NAME_KEY])
@@ -177,7 +192,8 @@ class DCPWeights(LazyWeights):
 
     def read_many(self, names) -> dict[str, torch.Tensor]:
         sd = {f"model.{n}": torch.empty(self._names[n][0], dtype=self._names[n][1]) for n in names}
-        dcp.load(sd, storage_reader=self.reader, no_dist=True)
+        with _one_process():
+            dcp.load(sd, storage_reader=self.reader, no_dist=True)
         return {k[len("model."):]: v for k, v in sd.items()}
 
     def __getitem__(self, name: str) -> torch.Tensor:
