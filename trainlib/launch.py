@@ -116,6 +116,7 @@ def _run_torchrun(torchrun, targs) -> int:
     ChildFailedError traceback and summary are left out. Any other failure prints torchrun's summary."""
     import logging
 
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
 
     quiet = _QuietVerdicts()
@@ -133,7 +134,11 @@ def _run_torchrun(torchrun, targs) -> int:
         quiet.release()
         print(e.format_msg(), file=sys.stderr, flush=True)
         return 1
-    except BaseException:  # torchrun's own failure or a signal: its lines as it logged them, then its error
+    except SignalException as e:  # SIGTERM/SIGUSR1 to torchrun (preemption): it handed the signal to the
+        # workers and waited for them, and they said what they did (trainlib: preempted: ...); exit as a
+        # process stopped by that signal does, without torchrun's traceback of its own signal handler
+        return 128 + int(e.sigval)
+    except BaseException:  # torchrun's own failure: its lines as it logged them, then its error
         quiet.release()
         raise
     quiet.release()

@@ -195,3 +195,23 @@ def test_the_launcher_splits_torchruns_options_from_the_recipes():
         ["--nproc-per-node=2", "--nnodes", "1"], ["--recipe", "debug", "--a.b=1"])
     assert split_args(["--standalone", "--training.steps=3"]) == (["--standalone"], ["--training.steps=3"])
     assert split_args(["--max-restarts=1", "--", "--recipe", "x"]) == (["--max-restarts=1"], ["--recipe", "x"])
+
+
+@pytest.mark.slow  # two ranks training until the signal (~15 s)
+def test_the_launcher_preempted_says_the_workers_line_without_a_traceback(tmp_path):
+    # SIGTERM to the launcher (SLURM's preemption): torchrun hands it to the workers, which save and say so;
+    # the launcher exits as a process stopped by SIGTERM (143), without torchrun's SignalException traceback.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "trainlib.launch", "--nproc-per-node=2", "--recipe", "debug",
+                             "--training.steps=100000", "--metrics.log_freq=1", f"--job.dump_folder={run}",
+                             "--checkpoint.enable=true"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    ((out, err),) = communicate_all([proc], 240)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and "trainlib: preempted: " in err, err
