@@ -39,14 +39,16 @@ fi
 # One OpenMP thread per rank unless asked otherwise: ranks share the node's cores.
 export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}
 
+# trainlib.launch checks the recipe before any worker starts, then runs torchrun with these options on
+# `-m trainlib.train` and the arguments after `--` (a refused recipe or start: one line, exit 2).
 if [ "$NNODES" -eq 1 ]; then
-  exec python -m torch.distributed.run --standalone --nproc-per-node="$NPROC_PER_NODE" \
-    --max-restarts="$MAX_RESTARTS" "${SIGNALS[@]}" -m trainlib.train "$@"
+  exec python -m trainlib.launch --standalone --nproc-per-node="$NPROC_PER_NODE" \
+    --max-restarts="$MAX_RESTARTS" "${SIGNALS[@]}" -- "$@"
 fi
 if [ -z "${MASTER_ADDR:-}" ]; then
   echo "launch.sh: NNODES=$NNODES needs MASTER_ADDR (a host every node can reach, e.g. the first node)" >&2
   exit 2
 fi
-exec python -m torch.distributed.run --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
+exec python -m trainlib.launch --nnodes="$NNODES" --nproc-per-node="$NPROC_PER_NODE" \
   --rdzv-backend=c10d --rdzv-endpoint="$MASTER_ADDR:$MASTER_PORT" --rdzv-id="$RDZV_ID" \
-  --max-restarts="$MAX_RESTARTS" "${SIGNALS[@]}" -m trainlib.train "$@"
+  --max-restarts="$MAX_RESTARTS" "${SIGNALS[@]}" -- "$@"

@@ -37,10 +37,9 @@ def _args_from_run_config(ckpt_dir: Path):
     cfg_path = ckpt_dir.resolve().parent.parent / "config.toml"
     if not cfg_path.is_file():
         return None
-    from trainlib.config import load_job_config
-    from trainlib.models.registry import model_args
+    from trainlib.config import job_model_args, load_job_config
 
-    return model_args(load_job_config(str(cfg_path)).model)
+    return job_model_args(load_job_config(str(cfg_path)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-from trainlib.config import ConfigError, JobConfig, config_to_dict, load_job_config, save_config
+from trainlib.config import ConfigError, JobConfig, config_to_dict, load_job_config, resolve_job_model, save_config
 from trainlib.config.cli import RecipeArgumentParser, print_to_reader
 from trainlib.config.loader import describe
 from trainlib.errors import (EXIT_INTERNAL, EXIT_PREEMPTED, EXIT_STOPPED, EXIT_USER, Preempted, TrainingStopped,
@@ -93,7 +93,7 @@ from trainlib.guard import Guard
 from trainlib.loss import count_targets
 from trainlib.metrics import MetricsLogger, setup_logging
 from trainlib.plan.core import refuse_unless_fits
-from trainlib.models.registry import ResolvedModel, resolve_model
+from trainlib.models.registry import ResolvedModel
 from trainlib.optim import build_lr_scheduler, build_optimizer, kind_of
 from trainlib.parallel import ParallelDims, clip_grad_norm_, init_model_weights
 from trainlib.parallel.replica import build_replica_axis
@@ -150,7 +150,7 @@ def setup(cfg: JobConfig, info: DistInfo) -> Job:
     step runs, as a ConfigError whose message says what to change."""
     dims = ParallelDims.from_config(cfg.parallelism, info.world_size, cfg.fault_tolerance)
     tokenizer = build_tokenizer(cfg.tokenizer)
-    model = resolve_model(cfg.model)  # the family and its shape, resolved once for the whole job
+    model = resolve_job_model(cfg)  # the family and its shape (a checkpoint's too), resolved once for the job
     validate_job(cfg, dims, model, tokenizer.vocab_size)
     validate_machine(cfg, info.device)
     local_bs, grad_accum = resolve_local_batch_size(cfg, dims)

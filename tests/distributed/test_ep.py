@@ -2,6 +2,8 @@
 FSDP-sharded over what is left gives the single-process gradients of every parameter, the auxiliary losses'
 included (fp32, within 1e-5)."""
 
+import logging
+
 import pytest
 import torch
 from torch import nn
@@ -10,6 +12,7 @@ from tests.helpers import spawn
 from trainlib.blocks.moe import MoE, MoEArgs, MoEConfig, aux_loss_scale
 from trainlib.parallel.ep import apply_ep
 from trainlib.parallel.fsdp import apply_fsdp
+from trainlib.parallel.grad import total_norm
 from trainlib.parallel.parallel_dims import ParallelDims
 
 D, E = 16, 8
@@ -70,6 +73,15 @@ def _check(rank, world, degrees):
         if name.endswith(("w1", "w2", "w3")):  # this rank holds ep's share of the experts, FSDP a share of that
             assert p.to_local().shape[0] <= E // dims.ep // dims.efsdp + 1, (name, p.placements)
         torch.testing.assert_close(p.grad.full_tensor(), want[name], rtol=1e-5, atol=1e-6, msg=name)
+    # The gradient norm over the experts' (efsdp, ep) mesh is one all-reduce on the flattened mesh
+    # ParallelDims makes: DTensor's warning that it ran one per dim (once per rank, every EP run) is gone.
+    said = []
+    handler = logging.Handler()
+    handler.emit = said.append
+    logging.getLogger("torch.distributed.tensor._redistribute").addHandler(handler)
+    norm = total_norm([p.grad for p in net.parameters()])
+    torch.testing.assert_close(norm, total_norm(list(want.values())), rtol=1e-5, atol=1e-6)
+    assert not [r.getMessage() for r in said if "sequential" in r.getMessage()]
     counts = sum(m.take_stats()[:E] for m in net.modules() if isinstance(m, MoE))
     assert counts.sum() == 2 * 2 * X[..., 0].numel() // dp  # each rank routes (and counts) only its own tokens
 

@@ -137,3 +137,41 @@ def test_train_from_hf_and_export_hf(tmp_path, family, recipe, shape, layout):
     assert diff <= 1e-5
 
 
+
+
+# A Llama shape no shipped flavor has (width 48, 6 heads of 8, 3 blocks, rope theta 2e4, vocab 384).
+UNSHIPPED = dict(hidden_size=48, intermediate_size=128, num_hidden_layers=3, num_attention_heads=6,
+                 num_key_value_heads=2, vocab_size=384, rope_theta=20000.0, max_position_embeddings=2048,
+                 rms_norm_eps=1e-5, tie_word_embeddings=False)
+
+
+def test_a_hub_shape_no_flavor_has_converts_plans_trains_and_exports(tmp_path):
+    """Issue 54 item 2: model.flavor = 'from_checkpoint' takes the shape the checkpoint records, so an HF
+    checkpoint of a shape no flavor has converts, is planned, trains and exports (before: refused, pointing
+    at a flavor that does not exist)."""
+    from trainlib.convert import main as convert
+
+    hf = _hf_model(UNSHIPPED, seed=5)
+    hf.save_pretrained(tmp_path / "hf")
+    assert convert(["hf-to-dcp", str(tmp_path / "hf"), str(tmp_path / "dcp")]) == 0
+    run = tmp_path / "run"
+    recipe = ["--recipe", "debug", "--model.flavor=from_checkpoint", f"--checkpoint.initial_load_path={tmp_path / 'dcp'}",
+              "--training.seq_len=64", "--training.global_batch_size=4"]
+    # The planner plans it like a shipped flavor: the checkpoint's parameters.
+    plan = subprocess.run([sys.executable, "-m", "trainlib.plan", *recipe, "--world-size=2", "--json"], cwd=REPO,
+                          capture_output=True, text=True, timeout=300)
+    assert plan.returncode == 0, plan.stderr[-3000:]
+    assert json.loads(plan.stdout)["n_params"] == sum(p.numel() for p in hf.parameters()), plan.stdout[:2000]
+    proc = run_cli([*recipe, "--training.steps=2", "--metrics.log_freq=1", f"--job.dump_folder={run}",
+                    "--checkpoint.enable=true", "--checkpoint.export_hf=true"])
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert len((run / "metrics.jsonl").read_text().splitlines()) == 2
+    exported = json.loads((run / "hf" / "config.json").read_text())
+    assert {k: exported[k] for k in UNSHIPPED} == UNSHIPPED
+    back = transformers.LlamaForCausalLM.from_pretrained(run / "hf", dtype=torch.float32).eval()
+    assert sum(p.numel() for p in back.parameters()) == sum(p.numel() for p in hf.parameters())
+
+    # A named flavor on the same checkpoint is refused, pointing to from_checkpoint.
+    proc = run_cli(["--recipe", "debug", f"--checkpoint.initial_load_path={tmp_path / 'dcp'}", "--training.steps=1",
+                    f"--job.dump_folder={tmp_path / 'named'}", "--checkpoint.enable=true"])
+    assert proc.returncode == 2 and "model.flavor = 'from_checkpoint'" in proc.stderr, proc.stderr[-2000:]

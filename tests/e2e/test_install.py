@@ -20,6 +20,8 @@ def test_non_editable_install_runs_recipes_by_name_from_any_folder(tmp_path):
                    check=True, capture_output=True, text=True, timeout=300)
     assert sorted(p.name for p in (site / "trainlib" / "recipes").iterdir()) == sorted(
         p.name for p in RECIPES.glob("*.toml"))
+    # The `trainlib` command (python -m trainlib.launch: checks the recipe, then torchrun) is installed.
+    assert "trainlib.launch" in (site / "bin" / "trainlib").read_text()
 
     elsewhere.mkdir()
     env = dict(os.environ, PYTHONPATH=str(site), OMP_NUM_THREADS="1")
@@ -37,3 +39,20 @@ def test_non_editable_install_runs_recipes_by_name_from_any_folder(tmp_path):
                     f"--job.dump_folder={tmp_path / 'run'}"], 300, cwd=elsewhere, env=env)
     assert run.returncode == 0, run.stdout[-2000:] + run.stderr[-2000:]
     assert len((tmp_path / "run" / "metrics.jsonl").read_text().splitlines()) == 2
+    bad = subprocess.run([str(site / "bin" / "trainlib"), "--nproc-per-node=2", "--recipe", "debug", "--trainig.steps=2"],
+                         cwd=elsewhere, env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 2 and len(bad.stderr.splitlines()) == 1 and "unknown section 'trainig'" in bad.stderr
+
+    # The planner's calibration rows ship in the package (before: only in the checkout's benchmarks/, so an
+    # installed trainlib had none), and the installed planner plans as the checkout's does.
+    from trainlib.plan.calibration import ROWS
+
+    probe = "from trainlib.plan.calibration import ROWS, ROWS_FILE; print(len(ROWS), ROWS_FILE)"
+    out = subprocess.run([sys.executable, "-c", probe], cwd=elsewhere, env=env, check=True, capture_output=True,
+                         text=True, timeout=120).stdout.split()
+    assert out == [str(len(ROWS)), str(site / "trainlib" / "plan" / "calibration.toml")] and ROWS
+    plan = [sys.executable, "-m", "trainlib.plan", "--recipe", "llama3_8b", "--world-size", "8", "--json"]
+    installed = subprocess.run(plan, cwd=elsewhere, env=env, check=True, capture_output=True, text=True, timeout=300)
+    checkout = subprocess.run(plan, cwd=REPO, env=dict(env, PYTHONPATH=str(REPO)), check=True, capture_output=True,
+                              text=True, timeout=300)
+    assert installed.stdout == checkout.stdout

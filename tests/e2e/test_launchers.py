@@ -156,3 +156,62 @@ def test_slurm_batch_script_outside_a_checkout_says_how_to_fix_it(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip() == (f"slurm.sbatch: {tmp_path}/scripts/launch.sh not found; "
                                    "run sbatch from the trainlib checkout or set TRAINLIB_DIR")
+
+
+def _launch(args, tmp_path, timeout=300):
+    """`python -m trainlib.launch ARGS` (the `trainlib` command) in `tmp_path`."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    return run_tree([sys.executable, "-m", "trainlib.launch", *args], timeout, cwd=tmp_path, env=env)
+
+
+def test_the_launcher_refuses_a_bad_recipe_in_one_line_before_any_worker(tmp_path):
+    # Before: torchrun started both workers, each failed, and torchrun added its ChildFailedError traceback
+    # and summary (~35 lines, exit 1) below the worker's line.
+    r = _launch(["--nproc-per-node=2", "--recipe", "debug", "--trainig.steps=2"], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == ["trainlib: error: unknown section 'trainig' in --trainig.steps; did you mean "
+                                     "'training.steps' or 'validation.steps'?"], r.stderr
+    # Degrees the processes cannot fill are refused before the workers start, too.
+    r = _launch(["--nproc-per-node", "2", "--recipe", "debug", "--parallelism.tp=4"], tmp_path)
+    assert r.returncode == 2 and len(r.stderr.splitlines()) == 1, r.stderr
+    assert r.stderr.startswith("trainlib: error: world size 2 is not divisible by"), r.stderr
+
+
+def test_the_launcher_says_a_start_the_workers_refuse_in_one_line(tmp_path):
+    # A refusal only the workers can make (here the load path, checked after the process group) is the
+    # workers' one line, once, and exit 2: torchrun's lines about that exit and its traceback are left out.
+    r = _launch(["--nproc-per-node=2", "--recipe", "debug", "--training.steps=2", f"--job.dump_folder={tmp_path}/run",
+                 "--checkpoint.enable=true", f"--checkpoint.initial_load_path={tmp_path}/none"], tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.splitlines() == [f"trainlib: error: checkpoint.initial_load_path='{tmp_path}/none' is neither a "
+                                     "DCP checkpoint folder (.metadata), a Hugging Face folder (config.json + "
+                                     "*.safetensors) nor a Meta folder (consolidated.00.pth)"], r.stderr
+
+
+def test_the_launcher_splits_torchruns_options_from_the_recipes():
+    from trainlib.launch import split_args
+
+    assert split_args(["--nproc-per-node=2", "--nnodes", "1", "--recipe", "debug", "--a.b=1"]) == (
+        ["--nproc-per-node=2", "--nnodes", "1"], ["--recipe", "debug", "--a.b=1"])
+    assert split_args(["--standalone", "--training.steps=3"]) == (["--standalone"], ["--training.steps=3"])
+    assert split_args(["--max-restarts=1", "--", "--recipe", "x"]) == (["--max-restarts=1"], ["--recipe", "x"])
+
+
+@pytest.mark.slow  # two ranks training until the signal (~15 s)
+def test_the_launcher_preempted_says_the_workers_line_without_a_traceback(tmp_path):
+    # SIGTERM to the launcher (SLURM's preemption): torchrun hands it to the workers, which save and say so;
+    # the launcher exits as a process stopped by SIGTERM (143), without torchrun's SignalException traceback.
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(REPO)}
+    run = tmp_path / "run"
+    proc = subprocess.Popen([sys.executable, "-m", "trainlib.launch", "--nproc-per-node=2", "--recipe", "debug",
+                             "--training.steps=100000", "--metrics.log_freq=1", f"--job.dump_folder={run}",
+                             "--checkpoint.enable=true"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 240
+    while not ((run / "metrics.jsonl").is_file() and (run / "metrics.jsonl").read_text().count("\n") >= 2):
+        assert proc.poll() is None and time.monotonic() < deadline, proc.communicate()
+        time.sleep(0.5)
+    proc.send_signal(signal.SIGTERM)
+    ((out, err),) = communicate_all([proc], 240)
+    assert proc.returncode == 128 + signal.SIGTERM, err
+    assert "Traceback" not in err and "trainlib: preempted: " in err, err

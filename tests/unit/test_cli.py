@@ -201,3 +201,13 @@ def test_help_read_by_head_exits_quietly(tool, args):
     proc.stdout.close()  # as head does after its lines
     err = proc.stderr.read().decode()
     assert proc.wait(timeout=120) == 0 and err == "", err
+
+
+def test_the_launcher_refuses_a_recipe_and_answers_help_without_importing_torch():
+    # issue 54 item 7: python -m trainlib.launch checks the recipe before torch (and torchrun) is imported
+    proc = _run_without_torch("trainlib.launch", "--nproc-per-node=2", "--recipe", "debug", "--training.stesp=3")
+    assert proc.returncode == 2 and proc.stderr.strip().splitlines() == [
+        "trainlib: error: unknown key 'training.stesp' in --training.stesp; did you mean 'training.steps'?"], \
+        proc.stderr[-3000:]
+    proc = _run_without_torch("trainlib.launch", "--help")
+    assert proc.returncode == 0 and proc.stdout.startswith("usage: python -m trainlib.launch"), proc.stderr[-3000:]

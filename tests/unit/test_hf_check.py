@@ -106,3 +106,32 @@ def test_a_tied_folder_that_also_keeps_lm_head_and_old_rotary_buffers_pass(tmp_p
     tensors["model.layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(16)
     save_file(tensors, hf / "model.safetensors")
     assert read_hf_folder(hf)[0] == args
+
+
+def test_from_checkpoint_takes_the_folders_shape_and_names_what_it_lacks(hf):
+    """Issue 54 item 2: model.flavor = 'from_checkpoint' resolves to the shape the HF folder records; without a
+    load path, or with another family named, it is one line saying what to set."""
+    from trainlib.config import ConfigError, load_job_config, resolve_job_model
+
+    with pytest.raises(ConfigError, match="checkpoint.initial_load_path, which is not set"):
+        load_job_config("debug_moe", ["--model.flavor=from_checkpoint"])
+    cfg = load_job_config("debug_moe", ["--model.flavor=from_checkpoint", f"--checkpoint.initial_load_path={hf}",
+                                        "--model.n_layers=1"])
+    assert resolve_job_model(cfg).args == get_model_args("debug_moe", n_layers=1)  # the recipe's overrides apply
+    cfg = load_job_config("debug", ["--model.flavor=from_checkpoint", f"--checkpoint.initial_load_path={hf}"])
+    with pytest.raises(ConfigError, match="holds a qwen3_moe model, but model.name is 'llama3': set model.name = "
+                                          "'qwen3_moe'"):
+        resolve_job_model(cfg)
+
+
+def test_convert_says_no_dcp_warning_either_way(hf, tmp_path, capsys):
+    """Issue 54 item 8: DCP warned "torch.distributed is disabled ..." on every conversion, though trainlib
+    converts in one process on purpose (no_dist=True); the two commands now print their one line each."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        assert main(["hf-to-dcp", str(hf), str(tmp_path / "dcp")]) == 0
+        assert main(["dcp-to-hf", str(tmp_path / "dcp"), str(tmp_path / "back")]) == 0
+    assert not [str(w.message) for w in seen if "torch.distributed is disabled" in str(w.message)]
+    assert capsys.readouterr().out.count("\n") == 2

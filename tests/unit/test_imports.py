@@ -26,7 +26,7 @@ ROOT = Path(trainlib.__file__).parent
 # checkpoint.bench, can sit above its package).
 LAYERS = [
     ("core: single-process parts, each usable alone",
-     ["trainlib.errors", "trainlib.compat", "trainlib.guard", "trainlib.optimizer_kind", "trainlib.config.loader", "trainlib.config.cli", "trainlib.config.recipes", "trainlib.launch", "trainlib.hardware", "trainlib.loss", "trainlib.distributed", "trainlib.metrics", "trainlib.profiling",
+     ["trainlib.errors", "trainlib.compat", "trainlib.guard", "trainlib.optimizer_kind", "trainlib.config.loader", "trainlib.config.cli", "trainlib.config.recipes", "trainlib.hardware", "trainlib.loss", "trainlib.distributed", "trainlib.metrics", "trainlib.profiling",
       "trainlib.resilience",
       "trainlib.optim", "trainlib.adamw", "trainlib.muon", "trainlib.precision", "trainlib.float8", "trainlib.data", "trainlib.data.*", "trainlib.models",
       "trainlib.params", "trainlib.blocks", "trainlib.blocks.*", "trainlib.models.layers", "trainlib.models.spec", "trainlib.models.roles", "trainlib.models.*.model", "trainlib.models.*.state_dict_adapter",
@@ -42,7 +42,7 @@ LAYERS = [
      ["trainlib.checkpoint", "trainlib.checkpoint.*"]),
     ("job config: composes every component's config; cross-field validation",
      ["trainlib.config", "trainlib.config.*"]),
-    ("entry points", ["trainlib", "trainlib.train", "trainlib.ft", "trainlib.plan", "trainlib.plan.*", "trainlib.parity",
+    ("entry points", ["trainlib", "trainlib.train", "trainlib.launch", "trainlib.ft", "trainlib.plan", "trainlib.plan.*", "trainlib.parity",
                       "trainlib._parity_worker",
                       "trainlib.convert", "trainlib.checkpoint.bench", "trainlib.report"]),
 ]

@@ -7,7 +7,9 @@ disk in this one process, one HF file's worth of weights at a time.
 
 from __future__ import annotations
 
+import contextlib
 import os
+import warnings
 from dataclasses import fields
 from pathlib import Path
 from typing import Any
@@ -21,9 +23,13 @@ from trainlib.checkpoint.hf import (
     HF_SHARD_BYTES,
     HFWeights,
     LazyWeights,
+    _read_json,
+    _refuse_numbers_as_strings,
     args_from_dict,
+    checkpoint_format,
     read_hf_folder,
     spec_of_args,
+    spec_of_hf_config,
     write_hf_folder,
 )
 from trainlib.checkpoint.state import TrainState
@@ -32,6 +38,17 @@ from trainlib.models.registry import MODELS, get_model_spec
 
 _ARGS_PREFIX = "trainer.model_args."
 _NAME_KEY = "trainer.model_name"
+
+
+@contextlib.contextmanager
+def _one_process():
+    """DCP's save and load here, in one process on purpose (no_dist=True), without DCP's warning that
+    "torch.distributed is disabled ... assuming the intent is to save/load in a single process": torch 2.13
+    warns even when no_dist is passed, so every conversion printed it (twice for hf-to-dcp, once per export
+    file for dcp-to-hf); the intent is stated, and only that message is silenced."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled", category=UserWarning)
+        yield
 
 
 def hf_to_dcp(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Any:
@@ -52,9 +69,10 @@ def hf_to_dcp(hf_dir: str | os.PathLike, out_dir: str | os.PathLike) -> Any:
     args, sd = read_hf_folder(hf_dir)
     model = {name: sd.planned(name) for name in sd}
     model.update(_initial_buffers(sd.spec, args, model))
-    dcp.save({"model": model, "trainer": TrainState(model_args=args, model_name=sd.spec.name)},
-             storage_writer=FileSystemWriter(str(out_dir), single_file_per_rank=False),
-             planner=_ConvertOnWrite(sd), no_dist=True)
+    with _one_process():
+        dcp.save({"model": model, "trainer": TrainState(model_args=args, model_name=sd.spec.name)},
+                 storage_writer=FileSystemWriter(str(out_dir), single_file_per_rank=False),
+                 planner=_ConvertOnWrite(sd), no_dist=True)
     return args
 
 
@@ -113,7 +131,8 @@ def saved_model_args(ckpt_dir: str | os.PathLike, reader: FileSystemReader | Non
     sd = {k: None for k in keys if k.startswith(_ARGS_PREFIX) or k == _NAME_KEY}
     if not any(k.startswith(_ARGS_PREFIX) for k in sd):
         return None
-    dcp.load(sd, storage_reader=reader, no_dist=True)
+    with _one_process():
+        dcp.load(sd, storage_reader=reader, no_dist=True)
     values = {k[len(_ARGS_PREFIX):]: v for k, v in sd.items() if k.startswith(_ARGS_PREFIX)}
     if _NAME_KEY in sd:
         spec = get_model_spec(sd[_NAME_KEY])
@@ -123,6 +142,35 @@ def saved_model_args(ckpt_dir: str | os.PathLike, reader: FileSystemReader | Non
             return None
         (spec,) = matches
     return args_from_dict(values, spec)
+
+
+_RECORDED: dict[tuple, Any] = {}
+
+
+def recorded_model_args(path: str | os.PathLike) -> Any:
+    """The model shape `path` (checkpoint.initial_load_path) records, as its family's args: an HF folder's
+    config.json (checked as a load checks it) or a DCP checkpoint's recorded args; what model.flavor =
+    'from_checkpoint' trains. Read once per file version (the planner asks once per layout)."""
+    fmt = checkpoint_format(path)
+    marker = Path(path) / ("config.json" if fmt == "hf" else ".metadata")
+    key = (str(Path(path).resolve()), fmt, marker.stat().st_mtime_ns if marker.exists() else 0)
+    if key not in _RECORDED:
+        if fmt == "hf":
+            config = _read_json(marker)
+            _refuse_numbers_as_strings(config, marker)
+            args = spec_of_hf_config(config, marker).state_dict_adapter.args_from_hf_config(config)
+        elif fmt == "dcp":
+            args = saved_model_args(path)
+            if args is None:
+                raise ConfigError(f"checkpoint {path} does not record its model's shape (written before trainlib "
+                                  "recorded it), so model.flavor = 'from_checkpoint' has none to take: name the "
+                                  "model.flavor it was trained with")
+        else:
+            raise ConfigError(f"checkpoint.initial_load_path={str(path)!r} is a Meta folder, whose shape "
+                              "model.flavor = 'from_checkpoint' does not read: name its model.flavor, or convert it to a "
+                              "Hugging Face folder first")
+        _RECORDED[key] = args
+    return _RECORDED[key]
 
 
 class DCPWeights(LazyWeights):
@@ -144,7 +192,8 @@ class DCPWeights(LazyWeights):
 
     def read_many(self, names) -> dict[str, torch.Tensor]:
         sd = {f"model.{n}": torch.empty(self._names[n][0], dtype=self._names[n][1]) for n in names}
-        dcp.load(sd, storage_reader=self.reader, no_dist=True)
+        with _one_process():
+            dcp.load(sd, storage_reader=self.reader, no_dist=True)
         return {k[len("model."):]: v for k, v in sd.items()}
 
     def __getitem__(self, name: str) -> torch.Tensor:

@@ -494,8 +494,9 @@ def check_model_args(saved: Any, expected: Any, source: str, overrides: tuple[st
         keys = [f"model.flavor = '{name}'"] if name != run_flavor else []
         keys += [f"model.{k} = {a[k]}" for k in OVERRIDABLE if k in a and a[k] != b.get(k)]
         fix = ("set " + " and ".join(keys) if name is not None else
-               f"no shipped {want.name} flavor has the checkpoint's values: load a checkpoint of this run's model, "
-               f"or train a flavor with those values (added to the {want.name} family's FLAVORS)")
+               f"no shipped {want.name} flavor has the checkpoint's values: set model.flavor = 'from_checkpoint' "
+               f"to train the checkpoint's own shape (with it as checkpoint.initial_load_path; "
+               f"docs/checkpointing.md), or load a checkpoint of this run's model")
     raise ConfigError(f"{source} holds a model of {show(a)}, but {builds} {show(b)} ({want.name}"
                       + (f" flavor '{run_flavor}'" if run_flavor else "") + f"): {fix}")
 

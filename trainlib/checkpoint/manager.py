@@ -163,7 +163,8 @@ def check_model_matches(path: Path, model_sd: dict[str, Any], whole_model: set[s
     holds that no rank of this run has (`whole_model`: every rank's names;
     default: this rank's)."""
     meta = dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata
-    fix = "load it with the model.name / flavor / n_layers / vocab_size it was saved with"
+    fix = ("load it with the model.name / flavor / n_layers / vocab_size it was saved with (model.flavor = "
+           "'from_checkpoint' takes the shape a checkpoint records)")
     for name, t in model_sd.items():
         m = meta.get(f"model.{name}")
         saved = tuple(m.size) if isinstance(m, TensorStorageMetadata) else None

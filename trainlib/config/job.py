@@ -17,7 +17,7 @@ from trainlib.data.config import DataConfig
 from trainlib.data.tokenizer import TokenizerConfig
 from trainlib.errors import ConfigError
 from trainlib.blocks.config import MoEConfig
-from trainlib.models.flavors import DEFAULT_MODEL, FAMILIES, model_args
+from trainlib.models.flavors import DEFAULT_MODEL, FAMILIES, FROM_CHECKPOINT, check_name, model_args
 from trainlib.parallel.config import ActivationCheckpointConfig, CompileConfig, ParallelismConfig
 from trainlib.sections import (CommConfig, FaultToleranceConfig, Float8Config, GuardConfig, LossConfig, LRSchedulerConfig, MetricsConfig,
                                OptimizerConfig, ProfilingConfig, ValidationConfig, WatchdogConfig)
@@ -39,7 +39,9 @@ class ModelConfig:
     name: str = field(default=DEFAULT_MODEL, metadata={"help": "model family (trainlib.models.registry): "
                                                           + ", ".join(FAMILIES)})
     flavor: str = field(default="debug", metadata={"help": "; ".join(
-        f"{name}: {', '.join(family.FLAVORS)}" for name, family in FAMILIES.items())})
+        f"{name}: {', '.join(family.FLAVORS)}" for name, family in FAMILIES.items()) + (
+        f"; any family: {FROM_CHECKPOINT} (the shape of checkpoint.initial_load_path: an HF folder's config.json "
+        "or a DCP checkpoint's recorded args; docs/checkpointing.md)")})
     # Shape overrides on top of the flavor, for scaled-down experiments and
     # benchmarks (e.g. 8B layers but fewer of them on one GPU).
     n_layers: int | None = field(default=None, metadata={"help": "number of transformer blocks; none = the flavor's"})
@@ -59,7 +61,10 @@ class ModelConfig:
             raise ConfigError(f"model.mtp_depth must be >= 0, got {self.mtp_depth}")
         if not self.mtp_loss_weight >= 0:
             raise ConfigError(f"model.mtp_loss_weight must be >= 0, got {self.mtp_loss_weight}")
-        model_args(self)  # an unknown name or flavor fails at load, naming the closest valid one
+        if self.flavor == FROM_CHECKPOINT:  # the shape is read when the job resolves its model
+            check_name(self.name)
+        else:
+            model_args(self)  # an unknown name or flavor fails at load, naming the closest valid one
 
 
 @dataclass
@@ -137,3 +142,9 @@ class JobConfig:
     activation_checkpoint: ActivationCheckpointConfig = field(default_factory=ActivationCheckpointConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     fault_tolerance: FaultToleranceConfig = field(default_factory=FaultToleranceConfig)
+
+    def __post_init__(self) -> None:
+        if self.model.flavor == FROM_CHECKPOINT and not self.checkpoint.initial_load_path:
+            raise ConfigError(f"model.flavor = '{FROM_CHECKPOINT}' takes the model's shape from "
+                              "checkpoint.initial_load_path, which is not set: set it to the Hugging Face folder or "
+                              "DCP checkpoint to start from, or name a flavor")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import sys
+from dataclasses import replace
 from types import ModuleType
 from typing import Any
 
@@ -29,6 +30,10 @@ FAMILIES: dict[str, ModuleType] = {family.NAME: family for family in (
 # The family of a recipe that names none (model.name's default).
 DEFAULT_MODEL = llama3.NAME
 
+# model.flavor's value that takes the shape from checkpoint.initial_load_path (an HF folder's config.json or
+# the args a DCP checkpoint records): any shape of a family trains, not only the shipped flavors.
+FROM_CHECKPOINT = "from_checkpoint"
+
 
 def _registered() -> dict:
     """Families added to the registry at run time (registry.MODELS[name] = spec, by a user's code or a
@@ -46,9 +51,11 @@ def check_name(name: str) -> None:
         raise ConfigError(f"unknown model.name '{name}'{hint} (valid: {', '.join(known)})")
 
 
-def model_args(model_cfg) -> Any:
+def model_args(model_cfg, shape: Any = None) -> Any:
     """The model shape a [model] recipe section (ModelConfig) asks for: its
-    family's flavor with the n_layers / vocab_size overrides applied."""
+    family's flavor with the n_layers / vocab_size overrides applied. With
+    model.flavor = FROM_CHECKPOINT the flavor is `shape`, the args the job's
+    checkpoint.initial_load_path records (`trainlib.config.model_shape`)."""
     check_name(model_cfg.name)
     overrides = {"n_layers": model_cfg.n_layers, "vocab_size": model_cfg.vocab_size}
     depth = getattr(model_cfg, "mtp_depth", None)
@@ -61,6 +68,8 @@ def model_args(model_cfg) -> Any:
                                   f"{', '.join(with_mtp) or 'none'}")
         else:
             overrides["mtp_depth"] = depth
+    if model_cfg.flavor == FROM_CHECKPOINT:
+        return _from_checkpoint(model_cfg.name, shape, overrides)
     if model_cfg.name not in FAMILIES:
         return _registered()[model_cfg.name].get_args(model_cfg.flavor, **overrides)
     family = FAMILIES[model_cfg.name]
@@ -71,6 +80,23 @@ def model_args(model_cfg) -> Any:
                               f"model.name is '{family.NAME}'; set model.name = '{owners[0]}', or pick one of "
                               f"{family.NAME}'s flavors: {', '.join(family.FLAVORS)}")
     return family.get_model_args(model_cfg.flavor, **overrides)
+
+
+def _from_checkpoint(name: str, shape: Any, overrides: dict) -> Any:
+    """`shape` (a checkpoint's args) as family `name`'s args, with the recipe's overrides."""
+    if shape is None:
+        raise ConfigError(f"model.flavor = '{FROM_CHECKPOINT}' takes the model's shape from "
+                          "checkpoint.initial_load_path (a Hugging Face folder or a DCP checkpoint), and none was read: "
+                          "set checkpoint.initial_load_path, or name a flavor")
+    family = FAMILIES.get(name)
+    args_type = family.ModelArgs if family is not None else _registered()[name].args_type
+    if type(shape) is not args_type:
+        owner = next((f.NAME for f in FAMILIES.values() if type(shape) is f.ModelArgs), type(shape).__name__)
+        raise ConfigError(f"checkpoint.initial_load_path holds a {owner} model, but model.name is '{name}': set "
+                          f"model.name = '{owner}' to train its shape (model.flavor = '{FROM_CHECKPOINT}')")
+    args = replace(shape, **{k: v for k, v in overrides.items() if v is not None})
+    args.validate()
+    return args
 
 
 def _has_mtp(name: str) -> bool:

@@ -42,6 +42,7 @@ class ResolvedModel:
     args: Any
 
 
-def resolve_model(model_cfg) -> ResolvedModel:
-    """The family and shape a [model] section (ModelConfig) names; bad names are one-line ConfigErrors."""
-    return ResolvedModel(get_model_spec(model_cfg.name), model_args(model_cfg))
+def resolve_model(model_cfg, shape: Any = None) -> ResolvedModel:
+    """The family and shape a [model] section (ModelConfig) names; bad names are one-line ConfigErrors.
+    `shape`: the checkpoint's args that model.flavor = 'from_checkpoint' takes (`trainlib.config.model_shape`)."""
+    return ResolvedModel(get_model_spec(model_cfg.name), model_args(model_cfg, shape))

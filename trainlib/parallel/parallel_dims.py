@@ -199,6 +199,13 @@ class ParallelDims:
                 self._meshes[name] = view[name]
                 self._view_dim[name] = (view, i + 2)
             self._meshes["expert_fsdp"] = view["dp_replicate", "efsdp"]
+            # The experts' weights are DTensors over (efsdp, ep), with HSDP (dp_replicate, efsdp, ep): a
+            # reduction over all of them (the gradient norm's) finds these flattened meshes and runs as one
+            # all-reduce, where it ran one per dim and DTensor warned so once per rank
+            self._meshes["efsdp_ep"] = view["efsdp", "ep"]._flatten("efsdp_ep")
+            if dpr > 1:
+                self._meshes["dp_replicate_efsdp_ep"] = view["dp_replicate", "efsdp", "ep"]._flatten(
+                    "dp_replicate_efsdp_ep")
         return self._meshes["world"]
 
     def mesh(self, name: str) -> DeviceMesh:

@@ -6,7 +6,7 @@
 `ROWS` are docs/performance.md's "GPU benchmark" tables (scripts/benchmark.py presets: an 8B shape cut
 to 8 blocks or a 1B's 16, batch 1, one GPU, bf16 autocast over fp32 weights, fused AdamW unless a row
 says otherwise), as measured: tokens/s, the median of steps 15..30, and the step it implies; they live
-in benchmarks/planner-calibration.toml (`load`). Each row names the trainlib commit it ran; rows from before 9c90ebc scaled the clipped gradients in a pass of
+in calibration.toml beside this module, shipped in the package (`load`). Each row names the trainlib commit it ran; rows from before 9c90ebc scaled the clipped gradients in a pass of
 their own (`clip_in_fused_step=False`), and none had a weight copy (training.mixed_precision_weight_copy).
 
 `fit` solves by least squares on the relative error of the step, in two linear steps: the reciprocals of
@@ -54,18 +54,18 @@ class Row:
 
 BEFORE_CLIP_IN_STEP = ("e34b807", "054a122")
 
-# The measured rows are lab records (they name the model families measured), kept with the others in a
-# source checkout's benchmarks/ folder; an installed trainlib has none and plans with the shipped constants.
-ROWS_FILE = Path(__file__).resolve().parents[2] / "benchmarks" / "planner-calibration.toml"
+# The measured rows ship in the package (package data, pyproject.toml), so an installed trainlib fits and
+# judges the constants as a checkout does (before, they sat in the checkout's benchmarks/ folder and an
+# installed trainlib had no rows: `python -m trainlib.plan.calibration` listed nothing).
+ROWS_FILE = Path(__file__).with_name("calibration.toml")
 
 
 def load(path: Path = ROWS_FILE) -> tuple[list[Row], dict]:
-    """(the rows, the profile) of a calibration file (benchmarks/planner-calibration.toml's format)."""
+    """(the rows, the profile) of a calibration file (trainlib/plan/calibration.toml's format)."""
     from trainlib.config.loader import ConfigError, tomllib
 
     if not path.is_file():
-        raise ConfigError(f"{path} is missing: the calibration rows are lab records of a source checkout "
-                          f"(benchmarks/planner-calibration.toml)")
+        raise ConfigError(f"{path} is missing: the calibration rows ship as trainlib/plan/calibration.toml")
     with open(path, "rb") as fh:
         data = tomllib.load(fh)
     rows = [Row(r["preset"], r["gpu"], r["commit"], tuple(r["overrides"]), r["tokens_per_second"], r["split"],
@@ -79,7 +79,7 @@ def load(path: Path = ROWS_FILE) -> tuple[list[Row], dict]:
 # 8b8-compile-sac at e34b807): its GEMMs, its flash attention, and every other kernel (the optimizer,
 # the clip, casts, elementwise, the loss's), seconds. Fitted beside the steps: whole steps alone hardly
 # tell the GEMMs' rate from the memory-bound kernels' (every 8B row holds them in about the same proportion).
-ROWS, PROFILE = load() if ROWS_FILE.is_file() else ([], {})
+ROWS, PROFILE = load()
 
 
 def no_weight_copy() -> list[str]:

@@ -179,8 +179,9 @@ def _exact_build(cfg, world_size: int) -> Build:
 
 def build_model_parts_on(cfg, dims):
     from trainlib.build import build_model_parts
+    from trainlib.config import resolve_job_model
 
-    return build_model_parts(cfg, dims, torch.device("cpu"))
+    return build_model_parts(cfg, dims, torch.device("cpu"), resolve_job_model(cfg))
 
 
 def _on_fake_world(parallelism, world_size: int, rank: int, fn):
@@ -240,21 +241,21 @@ def _structure(block: nn.Module) -> tuple:
 def _model_shapes(cfg) -> tuple[int, list[tuple], list[tuple] | None]:
     """(the model's parameters, each block's `_structure`, each block's of the smallest model of this
     section that holds a block of every structure, or None where no smaller one does), from meta builds."""
-    from trainlib.config import ConfigError
+    from trainlib.config import ConfigError, model_shape
     from trainlib.models import count_params
     from trainlib.models.registry import get_model_spec, model_args
 
-    key = repr(cfg.model)
+    key = repr((cfg.model, model_shape(cfg)))
     if key not in _SHAPES:
-        spec = get_model_spec(cfg.model.name)
+        spec, shape = get_model_spec(cfg.model.name), model_shape(cfg)
         with torch.device("meta"):
-            model = spec.model_cls(model_args(cfg.model), rope_len=1)
+            model = spec.model_cls(model_args(cfg.model, shape), rope_len=1)
         structures = [_structure(b) for b in model.layers.values()]
         wanted, probe = set(structures), None
         for n in range(1, len(structures)):
             try:
                 with torch.device("meta"):
-                    small = spec.model_cls(model_args(replace(cfg.model, n_layers=n)), rope_len=1)
+                    small = spec.model_cls(model_args(replace(cfg.model, n_layers=n), shape), rope_len=1)
             except ConfigError:  # a family may refuse some layer counts
                 continue
             if {_structure(b) for b in small.layers.values()} >= wanted:
@@ -618,14 +619,14 @@ def load_job(recipe: str | None, world_size: int, gpu: str = "h100", overrides: 
     checks; raises ConfigError with the job's one-line message for a bad layout."""
     from trainlib.config import ConfigError, load_job_config
     from trainlib.config.validate import resolve_local_batch_size, validate_job
-    from trainlib.models.registry import resolve_model
+    from trainlib.config import resolve_job_model
     from trainlib.parallel import ParallelDims
 
     if gpu not in GPUS:
         raise ConfigError(f"--gpu '{gpu}' is unknown; valid: {', '.join(GPUS)}")
     cfg = load_job_config(recipe, [o if o.startswith("--") else f"--{o}" for o in (overrides or [])])
     dims = ParallelDims.from_config(cfg.parallelism, world_size)
-    model = resolve_model(cfg.model)
+    model = resolve_job_model(cfg)
     args = model.args
     validate_job(cfg, dims, model, _tokenizer_vocab(cfg, args))
     local_bs, grad_accum = resolve_local_batch_size(cfg, dims)
@@ -743,10 +744,10 @@ def make_plan(recipe: str | None, world_size: int, gpu: str = "h100", overrides:
 
 def job_peak(cfg, dims, built, local_bs: int, grad_accum: int, device_type: str) -> StagePlan:
     """This rank's predicted peak memory, from the job's own build (before its weights exist)."""
-    from trainlib.models.registry import model_args
+    from trainlib.config import job_model_args
 
     r, facts = read_rank_build(cfg, dims, built), _facts(cfg, dims, built)
-    s = step_shape(cfg, dims, model_args(cfg.model), facts["n_stages"], facts["stages_per_rank"],
+    s = step_shape(cfg, dims, job_model_args(cfg), facts["n_stages"], facts["stages_per_rank"],
                    facts["n_microbatches"], facts["fsdp"], r.block_params, local_bs, device_type,
                    r.block_expert_params)
     return stage_memory(cfg, s, r, grad_accum, ASSUMPTIONS)

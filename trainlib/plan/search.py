@@ -73,14 +73,14 @@ def suggest(recipe: str | None, world_size: int, gpu: str = "h100", overrides: l
     `memory_floor`, a lower bound of its peak from formulas alone, fits: the
     rows are those of planning every layout. `progress(layouts done, layouts,
     rows so far)` is called after each layout."""
-    from trainlib.config import load_job_config
-    from trainlib.models.registry import get_model_spec, model_args
+    from trainlib.config import job_model_args, load_job_config
+    from trainlib.models.registry import get_model_spec
 
     if gpu not in GPUS:
         raise ConfigError(f"--gpu '{gpu}' is unknown; valid: {', '.join(GPUS)}")
     overrides = list(overrides or [])
-    model = load_job_config(recipe, [o if o.startswith("--") else f"--{o}" for o in overrides]).model
-    args = model_args(model)
+    job_cfg = load_job_config(recipe, [o if o.startswith("--") else f"--{o}" for o in overrides])
+    model, args = job_cfg.model, job_model_args(job_cfg)
     kv_heads = min(b.n_kv_heads for b in get_model_spec(model.name).block_shapes(args))  # tp must divide each block's
     memory = GPUS[gpu].memory_gib * GiB
     moe = getattr(args, "moe", None)  # an MoE family's shape (trainlib.blocks.moe.MoEArgs)

@@ -144,91 +144,124 @@ def _checkpointed_blocks(ac, n_layers: int) -> float:
 
 
 def _memory_bytes(s, ac, b, cfg, grad_accum: int, per_rank_tokens: float, A: dict) -> dict[str, float]:
-    t, opt = cfg.training, cfg.optimizer
-    n_ranks = len(b.ranks)
+    """Bytes one rank's step moves through memory, by category (each a named step below): the
+    optimizer and the gradient clip, the weight casts of autocast or FSDP's copies, the activations'
+    elementwise traffic, and the loss. Held state is the mean over the pipeline ranks."""
+    def mean(held) -> float:  # over the pipeline ranks
+        return sum(held(r) for r in b.ranks) / len(b.ranks)
 
-    def per_pp_rank(held) -> float:  # the mean over the pipeline ranks
-        return sum(held(r) for r in b.ranks) / n_ranks
+    implementation = _optimizer_implementation(cfg, b)
+    # Elements with a bf16 copy (plain linears: float8's cast their own way), written by the step or not.
+    copied = mean(lambda r: r.state.get("weight_copies", 0)) / s.elem
+    copies_in_step = copied if implementation == "compiled" else 0.0
+    micro_batches = grad_accum * s.n_microbatches
+    output = mean(lambda r: r.output_params)
+    out = _optimizer_bytes(s, cfg, mean, implementation, copies_in_step, A)
+    if b.autocast:
+        out["weight_casts"] = _weight_cast_bytes(s, mean, copied, copies_in_step, micro_batches, output)
+    elif b.fsdp:
+        out["fsdp_copies"] = _fsdp_copy_bytes(s, b, mean, grad_accum)
+    local_tokens = per_rank_tokens * s.tp * s.pp  # tokens one rank's blocks see (its dp and cp share)
+    out["activations"] = _activation_bytes(s, ac, b, cfg, mean, local_tokens)
+    out.update(_loss_bytes(s, cfg, local_tokens, micro_batches, output))
+    return out
 
-    # Bytes held: parameters, gradients, and AdamW's state (both moments and its step counts).
-    params, grads, states = (per_pp_rank(lambda r, k=k: r.state[k]) for k in ("params", "grads", "optimizer"))
-    out: dict[str, float] = {}
 
-    # The optimizer: fused AdamW reads parameter, gradient and both moments and writes parameter and
-    # moments, in one pass; handed the clip's scale it also writes the gradient back (torch's kernel
-    # stores what it unscaled). trainlib's compiled AdamW (trainlib.adamw) reads and writes the same
-    # once, the gradient only read, and writes the weights' bf16 copies where the model keeps them.
-    # foreach runs a pass per operation: lerp of the first moment, scale and addcmul of the second, its
-    # square root into a temporary, two in-place passes over that, addcdiv into the parameter and the
-    # weight-decay scale. "auto" as trainlib.optim.resolve_implementation picks on GPUs.
-    implementation = opt.implementation
+def _optimizer_implementation(cfg, b) -> str:
+    """The optimizer kernel the step runs: "auto" as trainlib.optim.resolve_implementation picks on GPUs."""
+    implementation = cfg.optimizer.implementation
     if implementation == "auto":
         implementation = "compiled" if optimizer_state_dtype(cfg) != "float32" or b.weight_copies else "fused"
+    return implementation
+
+
+def _optimizer_bytes(s, cfg, mean, implementation: str, copies_in_step: float, A: dict) -> dict[str, float]:
+    """{"optimizer", "grad_norm"}: the optimizer step's passes over parameters, gradients and AdamW's state
+    (both moments and its step counts), and the gradient clip's.
+
+    Fused AdamW reads parameter, gradient and both moments and writes parameter and moments, in one
+    pass; handed the clip's scale it also writes the gradient back (torch's kernel stores what it
+    unscaled). trainlib's compiled AdamW (trainlib.adamw) reads and writes the same once, the gradient
+    only read, and writes the weights' bf16 copies where the model keeps them. foreach runs a pass per
+    operation: lerp of the first moment, scale and addcmul of the second, its square root into a
+    temporary, two in-place passes over that, addcdiv into the parameter and the weight-decay scale.
+    clip_grad_norm_: the norm reads every gradient; clipping outside the step scales them in place."""
+    params, grads, states = (mean(lambda r, k=k: r.state[k]) for k in ("params", "grads", "optimizer"))
     one_pass = implementation in ("fused", "compiled")
-    clipping = 0 < t.max_norm < math.inf
+    clipping = 0 < cfg.training.max_norm < math.inf
     in_step = one_pass and clipping and A["clip_in_fused_step"]
-    blocks = per_pp_rank(lambda r: len(r.layers))
-    block_linears, output = per_pp_rank(lambda r: r.block_linear_params), per_pp_rank(lambda r: r.output_params)
-    elem, micro_batches = s.elem, grad_accum * s.n_microbatches
-    # Elements with a bf16 copy (plain linears: float8's cast their own way), written by the step or not.
-    copied = per_pp_rank(lambda r: r.state.get("weight_copies", 0)) / elem
-    copies_in_step = copied if implementation == "compiled" else 0.0
     if one_pass:
         grad_passes = 2 if in_step and implementation == "fused" else 1
-        out["optimizer"] = 2 * params + grad_passes * grads + 2 * states + elem * copies_in_step
+        optimizer = 2 * params + grad_passes * grads + 2 * states + s.elem * copies_in_step
     else:
-        out["optimizer"] = 4 * params + 2 * grads + 7 * states
-    # clip_grad_norm_: the norm reads every gradient; clipping outside the step scales them in place.
-    out["grad_norm"] = grads + (2 * grads if clipping and not in_step else 0.0)
+        optimizer = 4 * params + 2 * grads + 7 * states
+    return {"optimizer": optimizer, "grad_norm": grads + (2 * grads if clipping and not in_step else 0.0)}
 
+
+def _weight_cast_bytes(s, mean, copied: float, copies_in_step: float, micro_batches: int, output: float) -> float:
+    """Autocast's casts of the fp32 weights.
+
+    Autocast casts each fp32 matmul weight where a matmul runs: measured on one H100, three passes over
+    the blocks' weights per step (the forward, the compiled backward's recomputed cast, the gradient's
+    cast back to fp32; 168 kernels for 56 linears). The chunked loss casts the output weight once and
+    sums its gradient in fp32; whole logits run it like a block's linear forward and gradient. With
+    training.mixed_precision_weight_copy every matmul reads one bf16 copy, made once per step (by the
+    compiled AdamW's own pass, or a pass of its own), and the gradients are still cast back (the chunked
+    loss sums the output weight's in fp32)."""
+    block_linears = mean(lambda r: r.block_linear_params)
     chunked = s.loss_chunk_tokens is not None
-    if b.autocast:
-        # Autocast casts each fp32 matmul weight where a matmul runs: measured on one H100, three passes
-        # over the blocks' weights per step (the forward, the compiled backward's recomputed cast, the
-        # gradient's cast back to fp32; 168 kernels for 56 linears). The chunked loss casts the output
-        # weight once and sums its gradient in fp32; whole logits run it like a block's linear forward
-        # and gradient. With training.mixed_precision_weight_copy every matmul reads one bf16 copy,
-        # made once per step (by the compiled AdamW's own pass, or a pass of its own), and the
-        # gradients are still cast back (the chunked loss sums the output weight's in fp32).
-        cast = FP32 + elem
-        copied_blocks = max(0.0, copied - output) if copied else 0.0  # the output projection is a copied linear
-        per_micro_batch = (copied_blocks + 3 * (block_linears - copied_blocks)
-                           + output * ((not chunked) + (not copied)))
-        out["weight_casts"] = cast * (copied - copies_in_step + micro_batches * per_micro_batch)
-    elif b.fsdp:
-        # FSDP copies into and out of its collectives on the compute stream: per all-gather the local
-        # shard cast to the compute dtype and the gathered copy out; per reduce-scatter the unsharded
-        # gradient cast and copied in, in the reduce dtype. Blocks gather again backward when they
-        # reshard; per micro-step without PP, once per step under PP (as in comm_bytes).
-        micro_steps = grad_accum if s.pp == 1 else 1
-        degree = len(b.groups["fsdp"][0])
-        held_blocks = per_pp_rank(lambda r: s.block_params * len(r.layers))
-        held_root = per_pp_rank(lambda r: r.root_params)
-        gathered = (2 if s.reshard else 1) * held_blocks + held_root
-        out["fsdp_copies"] = micro_steps * (gathered * ((FP32 + elem) / degree + 2 * elem)
-                                            + (held_blocks + held_root) * (elem + s.reduce_elem))
+    cast = FP32 + s.elem
+    copied_blocks = max(0.0, copied - output) if copied else 0.0  # the output projection is a copied linear
+    per_micro_batch = (copied_blocks + 3 * (block_linears - copied_blocks)
+                       + output * ((not chunked) + (not copied)))
+    return cast * (copied - copies_in_step + micro_batches * per_micro_batch)
 
-    # Activations: each block's elementwise traffic forward, 1.5 times that backward (each op reads
-    # its saved inputs and the incoming gradient and writes the outgoing one; the norms' and SwiGLU's
-    # backward move about 1.6x their forward, RoPE's and the adds' 1x), once more in a block AC reruns;
-    # the final norm alike; the embedding's lookup and its backward's scatter into the fp32 gradient.
+
+def _fsdp_copy_bytes(s, b, mean, grad_accum: int) -> float:
+    """FSDP's copies into and out of its collectives on the compute stream.
+
+    Per all-gather the local shard cast to the compute dtype and the gathered copy out; per
+    reduce-scatter the unsharded gradient cast and copied in, in the reduce dtype. Blocks gather again
+    backward when they reshard; per micro-step without PP, once per step under PP (as in comm_bytes)."""
+    elem = s.elem
+    micro_steps = grad_accum if s.pp == 1 else 1
+    degree = len(b.groups["fsdp"][0])
+    held_blocks = mean(lambda r: s.block_params * len(r.layers))
+    held_root = mean(lambda r: r.root_params)
+    gathered = (2 if s.reshard else 1) * held_blocks + held_root
+    return micro_steps * (gathered * ((FP32 + elem) / degree + 2 * elem)
+                          + (held_blocks + held_root) * (elem + s.reduce_elem))
+
+
+def _activation_bytes(s, ac, b, cfg, mean, local_tokens: float) -> float:
+    """The activations' elementwise traffic.
+
+    Each block's elementwise traffic forward, 1.5 times that backward (each op reads its saved inputs
+    and the incoming gradient and writes the outgoing one; the norms' and SwiGLU's backward move about
+    1.6x their forward, RoPE's and the adds' 1x), once more in a block AC reruns; the final norm alike;
+    the embedding's lookup and its backward's scatter into the fp32 gradient."""
+    elem = s.elem
     residual = FP32 if b.autocast else elem
-    compiled = cfg.compile.enable
+    blocks = mean(lambda r: len(r.layers))
     per_block = block_elementwise_bytes_per_token(s.block, tp=s.tp, sp=s.sp, elem=elem, residual=residual,
-                                                  compiled=compiled)
+                                                  compiled=cfg.compile.enable)
     rerun = _checkpointed_blocks(ac, len(s.blocks)) / len(s.blocks)
-    local_tokens = per_rank_tokens * s.tp * s.pp  # tokens one rank's blocks see (its dp and cp share)
     d = s.dim / (s.tp if s.sp else 1)
     norm = (residual + elem) * d
-    out["activations"] = local_tokens * (blocks * (2.5 + rerun) * per_block
-                                         + (2.5 * norm + (2 * residual + 3 * FP32) * d) / s.pp)
-    # The loss: its pass over the logits (compiled with compile.loss), and the chunked loss's fp32 sum of
-    # the output weight's gradient: each chunk reads the sum and its bf16 product and writes the sum,
-    # plus the zeroing and the final scaling (in the compute dtype's matmuls only; fp32 adds in the GEMM).
+    return local_tokens * (blocks * (2.5 + rerun) * per_block
+                           + (2.5 * norm + (2 * residual + 3 * FP32) * d) / s.pp)
+
+
+def _loss_bytes(s, cfg, local_tokens: float, micro_batches: int, output: float) -> dict[str, float]:
+    """{"loss"[, "loss_weight_grad"]}: the loss's pass over the logits (compiled with compile.loss), and
+    the chunked loss's fp32 sum of the output weight's gradient: each chunk reads the sum and its bf16
+    product and writes the sum, plus the zeroing and the final scaling (in the compute dtype's matmuls
+    only; fp32 adds in the GEMM)."""
+    elem = s.elem
     vocab = s.vocab_size / (s.tp if s.loss_parallel else 1)
     loss_tokens = local_tokens / s.pp  # the last stage's
-    out["loss"] = loss_tokens * vocab * loss_bytes_per_logit(elem, compiled and cfg.compile.loss)
-    if chunked:
+    out = {"loss": loss_tokens * vocab * loss_bytes_per_logit(elem, cfg.compile.enable and cfg.compile.loss)}
+    if s.loss_chunk_tokens is not None:
         chunks = micro_batches * math.ceil(s.mb_tokens / s.loss_chunk_tokens)
         per_chunk = 2 * FP32 + elem if elem < FP32 else 0.0
         out["loss_weight_grad"] = output * (chunks * per_chunk + 3 * FP32 * micro_batches)
