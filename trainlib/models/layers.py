@@ -41,6 +41,21 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+def feed_forward_ops(dim: int, ffn_dim: int) -> list[tuple[str, float, bool]]:
+    """`FeedForward`'s forward FLOPs per token, op by op (name, FLOPs, is a matmul): w1, w3, w2."""
+    return [("w1", 2 * dim * ffn_dim, True), ("w3", 2 * dim * ffn_dim, True), ("w2", 2 * ffn_dim * dim, True)]
+
+
+def moe_ops(dim: int, moe) -> list[tuple[str, float, bool]]:
+    """An MoE feed-forward's forward FLOPs per token, counting what a token ACTIVATES: the router
+    (2 * dim * n_experts), its top_k routed experts' SwiGLU and the shared experts' (2 * 3 * dim * expert_dim
+    each); `moe` its MoEArgs."""
+    ops = [("router", 2 * dim * moe.n_experts, True), ("experts", 2 * 3 * dim * moe.expert_dim * moe.top_k, True)]
+    if moe.n_shared_experts:
+        ops.append(("shared_experts", 2 * 3 * dim * moe.expert_dim * moe.n_shared_experts, True))
+    return ops
+
+
 class TransformerBlock(nn.Module):
     """Pre-norm block: attention and a gated MLP, each behind an RMSNorm and a residual add.
     `attention` is the family's (a subclass of `Attention`)."""

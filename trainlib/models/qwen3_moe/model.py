@@ -54,16 +54,11 @@ def _attention_ops(args: ModelArgs, seq_len: int) -> list[tuple[str, float, bool
 
 
 def _dense_ffn_ops(args: ModelArgs) -> list[tuple[str, float, bool]]:
-    d, f = args.dim, args.ffn_dim
-    return [("w1", 2 * d * f, True), ("w3", 2 * d * f, True), ("w2", 2 * f * d, True)]
+    return layers.feed_forward_ops(args.dim, args.ffn_dim)
 
 
 def _moe_ffn_ops(args: ModelArgs) -> list[tuple[str, float, bool]]:
-    m, d = args.moe, args.dim
-    ops = [("router", 2 * d * m.n_experts, True), ("experts", 2 * 3 * d * m.expert_dim * m.top_k, True)]
-    if m.n_shared_experts:
-        ops.append(("shared_experts", 2 * 3 * d * m.expert_dim * m.n_shared_experts, True))
-    return ops
+    return layers.moe_ops(args.dim, args.moe)
 
 
 def block_forward_flops(args: ModelArgs, seq_len: int) -> list[tuple[str, float, bool]]:
