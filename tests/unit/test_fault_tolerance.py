@@ -91,7 +91,10 @@ def test_unreachable_lighthouse_is_refused_naming_it(tmp_path):
         in line and "python -m trainlib.ft lighthouse" in line
 
 
+# A group waits for the lighthouse, as real ones do (they retry its address until the connect timeout): without
+# it a loaded machine could finish both fake groups, and the script kill the lighthouse, before it had logged.
 FAKE_SRUN = """#!/usr/bin/env bash
+for _ in $(seq 300); do grep -q '^python' "$LOG" 2>/dev/null && break; sleep 0.1; done
 echo "srun $* NNODES=$NNODES MASTER_ADDR=$MASTER_ADDR RDZV_ID=$RDZV_ID" >> "$LOG"
 """
 FAKE_SCONTROL = """#!/usr/bin/env bash
