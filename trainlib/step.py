@@ -44,10 +44,11 @@ from torch.distributed.tensor import DTensor, Replicate
 
 from trainlib.blocks.attention import Attention
 from trainlib.blocks.moe import MoE, aux_loss_scale, moe_layers
+from trainlib.data import map_tensors
 from trainlib.errors import ConfigError
 from trainlib.parallel.cp import local_micro_batches
 from trainlib.parallel.parallel_dims import ParallelDims
-from trainlib.parallel.pp import Pipeline
+from trainlib.parallel.pp import MODEL_INPUT_KEYS, Pipeline
 from trainlib.parallel.replica import ReplicaAxis
 from trainlib.parallel.tp import loss_context
 
@@ -169,14 +170,19 @@ class StepRunner:
 
     def _forward(self, model: nn.Module, mb: dict):
         """The model's output for micro-batch `mb` (its extra inputs from the family's `prepare_batch`)."""
-        extra = _to_device(mb.get("model_inputs", {}), self.device)
+        extra = map_tensors(self._to_device, mb.get("model_inputs", {}))
         return model(mb["input"].to(self.device), doc_ids=mb.get("doc_ids"), **extra)
 
     def _loss(self, out, mb: dict) -> tuple[torch.Tensor, dict]:
-        """(token-loss sum, {name: term sum}): the family's objective, or the job's cross-entropy of `labels`."""
+        """(token-loss sum, {name: term sum}): the family's objective, given the micro-batch's targets on the
+        device (what the forward read stays behind), or the job's cross-entropy of `labels`."""
         if self.objective is None:
             return self.loss_fn(out, mb["labels"].to(self.device)), {}
-        return self.objective(out, _to_device(mb, self.device), self.loss_fn)
+        targets = {k: map_tensors(self._to_device, v) for k, v in mb.items() if k not in MODEL_INPUT_KEYS}
+        return self.objective(out, targets, self.loss_fn)
+
+    def _to_device(self, t: torch.Tensor) -> torch.Tensor:
+        return t.to(self.device)
 
     def _local_terms(self, terms: dict[str, torch.Tensor]) -> torch.Tensor | None:
         """This rank's shares of the objective's named terms (`term_names` order), stacked; None without any.
@@ -325,16 +331,6 @@ def _scale_rows_(weight: torch.Tensor, factor: torch.Tensor) -> None:
         factor = DTensor.from_local(factor, weight.device_mesh, [Replicate()] * weight.device_mesh.ndim,
                                     run_check=False)
     weight.mul_(factor)
-
-
-def _to_device(value, device: torch.device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    if isinstance(value, dict):
-        return {k: _to_device(v, device) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return type(value)(_to_device(v, device) for v in value)
-    return value
 
 
 def aux_fields(aux: dict) -> dict:

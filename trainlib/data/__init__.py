@@ -27,6 +27,7 @@ __all__ = [
     "PreparedDataLoader",
     "build_dataloader",
     "document_ids",
+    "map_tensors",
     "resolve_data_files",
     "ByteTokenizer",
     "HFTokenizer",
@@ -39,7 +40,8 @@ __all__ = [
 
 def __getattr__(name: str):
     # Imported here, not at the top: these modules import torch.
-    if name in ("DataLoader", "PackedDataLoader", "build_dataloader", "document_ids", "resolve_data_files"):
+    if name in ("DataLoader", "PackedDataLoader", "build_dataloader", "document_ids", "map_tensors",
+                "resolve_data_files"):
         from trainlib.data import dataset as module
     elif name in ("PreparedDataLoader",):
         from trainlib.data import prepared as module

@@ -407,6 +407,18 @@ class _PackedStream:
 # --------------------------------------------------------------------------- loader
 
 
+def map_tensors(fn, value):
+    """`value` (a micro-batch entry: a tensor, or lists, tuples and dicts of them, as a family's
+    `prepare_batch` adds) with `fn` applied to every tensor in it; anything else as it is."""
+    if isinstance(value, torch.Tensor):
+        return fn(value)
+    if isinstance(value, dict):
+        return {k: map_tensors(fn, v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return type(value)(map_tensors(fn, v) for v in value)
+    return value
+
+
 def document_ids(position_ids: torch.Tensor) -> torch.Tensor:
     """[b, S] index (0, 1, ...) of each token's document within its window: a document
     starts exactly where ``position_ids`` is 0 (and so does the window)."""

@@ -59,7 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from trainlib.data import document_ids
+from trainlib.data import document_ids, map_tensors
 from trainlib.blocks.attention import Attention
 from trainlib.parallel.ulysses import ulysses_sdpa
 
@@ -146,16 +146,10 @@ def shard_batch(batch: dict[str, torch.Tensor], cp_mesh: DeviceMesh,
     stays whole: every rank's queries are masked against all keys."""
     cp, rank = cp_mesh.size(), cp_mesh.get_local_rank()
 
-    def cut(value):
-        if isinstance(value, torch.Tensor):
-            return shard_sequence(value, cp, rank, load_balance, dim=1, ulysses=ulysses)
-        if isinstance(value, dict):
-            return {k: cut(v) for k, v in value.items()}
-        if isinstance(value, (list, tuple)):
-            return type(value)(cut(v) for v in value)
-        return value
+    def cut(t: torch.Tensor) -> torch.Tensor:
+        return shard_sequence(t, cp, rank, load_balance, dim=1, ulysses=ulysses)
 
-    return {key: value if key == "doc_ids" else cut(value) for key, value in batch.items()}
+    return {key: value if key == "doc_ids" else map_tensors(cut, value) for key, value in batch.items()}
 
 
 # torch 2.13 renamed all_gather_into_tensor / reduce_scatter_tensor to *_single

@@ -36,6 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from trainlib.data import map_tensors
 from trainlib.errors import ConfigError
 from trainlib.loss import cross_entropy_sum
 from trainlib.blocks.moe import uncounted
@@ -211,8 +212,8 @@ class Pipeline:
         of both gradients (every rank calls it; the owners of the first and last stage act)."""
         if not self.copies:
             return
-        first = {s.stage_index: part for part, s in zip(self.model_parts, self.stages)}.get(0)
-        last = {s.stage_index: part for part, s in zip(self.model_parts, self.stages)}.get(len(self.owners) - 1)
+        mine_by_stage = {s.stage_index: part for part, s in zip(self.model_parts, self.stages)}
+        first, last = mine_by_stage.get(0), mine_by_stage.get(len(self.owners) - 1)
         if first is None and last is None:
             return
         group = self.stages[0].group
@@ -242,15 +243,15 @@ class Pipeline:
             # planned (a custom loop's tokens[:, :-1] of [b, seq + 1] windows); a no-op for the loaders' batches.
             args = (mb["input"].to(device).contiguous(),) if self.has_first else ()
             labels = None
-            if self.has_last:
+            if self.has_last and self.objective is not None:
+                labels, self._layout = _pack_targets(mb, device)
+            elif self.has_last:
                 labels = mb["labels"].to(device)
-                if self.objective is not None:
-                    labels, self._layout = _pack_targets(mb, device)
             # Keyword arguments of `step` reach every stage's forward (split by micro-batch
             # like the input), on every rank: so every stage masks by document, and the
             # family's extra inputs (multi-token prediction's) reach the stage that reads them.
             kwargs = {"doc_ids": mb["doc_ids"].to(device)} if "doc_ids" in mb else {}
-            kwargs.update({k: _to(v, device) for k, v in mb.get("model_inputs", {}).items()})
+            kwargs.update(map_tensors(lambda t: t.to(device), mb.get("model_inputs", {})))
             losses: list[torch.Tensor] = []
             self.schedule.step(*args, target=labels, losses=losses, return_outputs=False, **kwargs)
             if self.has_last:
@@ -285,13 +286,14 @@ class Pipeline:
         return loss_sum
 
 
-_NOT_TARGETS = ("input", "position_ids", "doc_ids", "model_inputs")
+# A micro-batch's entries the forward reads; the rest are targets (labels, and those of a family's prepare_batch)
+MODEL_INPUT_KEYS = ("input", "position_ids", "doc_ids", "model_inputs")
 
 
 def _pack_targets(mb: dict, device: torch.device) -> tuple[torch.Tensor, list]:
     """A micro-batch's targets (`labels`, then the other entries a family's prepare_batch added: [b, s]
     tensors or lists of them) stacked into one [b, n, s] tensor, and the layout to unpack them."""
-    keys = ["labels", *sorted(k for k in mb if k not in _NOT_TARGETS and k != "labels")]
+    keys = ["labels", *sorted(k for k in mb if k not in MODEL_INPUT_KEYS and k != "labels")]
     layout, leaves = [], []
     for key in keys:
         value = mb[key]
@@ -312,12 +314,6 @@ def _unpack_targets(packed: torch.Tensor, layout: list) -> dict:
         else:
             out[key], i = list(packed[:, i:i + n].unbind(1)), i + n
     return out
-
-
-def _to(value, device: torch.device):
-    if isinstance(value, torch.Tensor):
-        return value.to(device)
-    return type(value)(_to(v, device) for v in value)
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
