@@ -25,6 +25,7 @@ from torch.distributed.tensor import DTensor, Partial, Replicate, Shard, distrib
 from torch.distributed.tensor.parallel import ColwiseParallel, ParallelStyle, PrepareModuleInput, RowwiseParallel
 
 from trainlib.errors import ConfigError
+from trainlib.models.dense_plan import check_moe_degrees
 from trainlib.parallel.apply import parallelize_dense
 from trainlib.parallel.config import ParallelismConfig
 from trainlib.parallel.parallel_dims import ParallelDims
@@ -141,7 +142,7 @@ def tp_plan(sequence_parallel: bool, loss_parallel: bool, mtp_depth: int = 0, la
 
 def validate_degrees(args, degrees: Mapping[str, int], seq_len: int) -> None:
     """DeepSeek-V3's rules for the parallel degrees (ModelSpec.validate), each a one-line ConfigError."""
-    tp, pp, ep = degrees.get("tp", 1), degrees.get("pp", 1), degrees.get("ep", 1)
+    tp = degrees.get("tp", 1)
     if tp > 1:
         for what, value, why in (
                 ("n_heads", args.n_heads, "wq/wq_b and wkv_b are column-wise: each TP rank owns n_heads / tp heads"),
@@ -150,14 +151,4 @@ def validate_degrees(args, degrees: Mapping[str, int], seq_len: int) -> None:
             if value % tp:
                 raise ConfigError(f"model {what} ({value}) must be divisible by parallelism.tp ({tp}): {why}; "
                                   f"choose tp dividing {value}")
-        if seq_len % tp:
-            raise ConfigError(f"training.seq_len ({seq_len}) must be divisible by parallelism.tp ({tp}): the MoE "
-                              f"blocks route each rank's 1/tp of the sequence; choose tp dividing {seq_len}")
-    if args.moe.n_experts % ep:
-        raise ConfigError(f"parallelism.ep ({ep}) must divide the number of experts ({args.moe.n_experts}): each EP "
-                          f"rank holds n_experts / ep of them; pick ep among "
-                          f"{', '.join(str(d) for d in range(1, args.moe.n_experts + 1) if args.moe.n_experts % d == 0)}")
-    if args.tie_embeddings and pp > 1:
-        raise ConfigError(
-            f"this DeepSeek-V3 flavor ties the embedding and output weights, which live on the first and last "
-            f"pipeline stages (pp={pp}); use pp=1 with it, or a flavor without tied embeddings")
+    check_moe_degrees(args, degrees, seq_len, "DeepSeek-V3")

@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from torch import nn
 
 from trainlib.errors import ConfigError
+from trainlib.models.dense_plan import check_moe_degrees
 from trainlib.models.qwen3.parallelize import tp_plan as qwen3_tp_plan
 from trainlib.parallel.apply import parallelize_dense
 from trainlib.parallel.config import ParallelismConfig
@@ -38,24 +39,11 @@ def tp_plan(sequence_parallel: bool, loss_parallel: bool) -> TPPlan:
 
 def validate_degrees(args, degrees: Mapping[str, int], seq_len: int) -> None:
     """Qwen3-MoE's rules for the parallel degrees (ModelSpec.validate), each a one-line ConfigError."""
-    tp, pp, ep = degrees.get("tp", 1), degrees.get("pp", 1), degrees.get("ep", 1)
+    tp = degrees.get("tp", 1)
     if tp > 1:
         for what, value in (("n_heads", args.n_heads), ("n_kv_heads", args.n_kv_heads),
                             ("ffn_dim", args.ffn_dim), ("vocab_size", args.vocab_size)):
             if value % tp:
                 raise ConfigError(f"model {what} ({value}) must be divisible by parallelism.tp ({tp}): each TP rank "
                                   f"owns 1/tp of them; choose tp dividing {value}")
-        if seq_len % tp:
-            raise ConfigError(f"training.seq_len ({seq_len}) must be divisible by parallelism.tp ({tp}): the MoE "
-                              f"blocks route each rank's 1/tp of the sequence; choose tp dividing {seq_len}")
-    if args.moe.n_experts % ep:
-        # the hint satisfies ParallelDims' rule too: ep divides dp_shard * cp * tp, whose ranks it borrows
-        n, span = args.moe.n_experts, degrees.get("dp_shard", 1) * degrees.get("cp", 1) * tp
-        both = ", ".join(str(d) for d in range(1, n + 1) if n % d == 0 and span % d == 0)
-        raise ConfigError(f"parallelism.ep ({ep}) must divide the number of experts ({n}): each EP rank holds "
-                          f"n_experts / ep of them; pick ep among {both} (dividing both {n} and dp_shard * cp * tp "
-                          f"= {span})")
-    if args.tie_embeddings and pp > 1:
-        raise ConfigError(
-            f"this Qwen3-MoE flavor ties the embedding and output weights, which live on the first and last "
-            f"pipeline stages (pp={pp}); use pp=1 with it, or a flavor without tied embeddings")
+    check_moe_degrees(args, degrees, seq_len, "Qwen3-MoE")
