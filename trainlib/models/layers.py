@@ -90,6 +90,15 @@ class MoEBlock(nn.Module):
         return x + self.moe(self.ffn_norm(x))
 
 
+def dense_then_moe_block(args, index: int, attention: nn.Module) -> nn.Module:
+    """Block `index` of an MoE family whose first `args.n_dense_layers` blocks have a gated MLP
+    (`TransformerBlock`) and the rest an MoE feed-forward (`MoEBlock`, MoE of `args.moe`), around the family's
+    `attention` module."""
+    if index < args.n_dense_layers:
+        return TransformerBlock(args.dim, args.ffn_dim, args.norm_eps, attention)
+    return MoEBlock(args.dim, args.norm_eps, attention, MoE(args.dim, args.moe))
+
+
 class DecoderLM(nn.Module):
     """A decoder-only language model: embedding, `layers` (an nn.ModuleDict of
     blocks keyed by global index), final norm, output projection (tied to the

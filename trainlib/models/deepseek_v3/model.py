@@ -43,7 +43,6 @@ from torch import nn
 from torch.nn.attention.flex_attention import BlockMask
 
 from trainlib.blocks import attention
-from trainlib.blocks.moe import MoE
 from trainlib.models import layers
 from trainlib.models.deepseek_v3.args import FLAVORS, ModelArgs, get_model_args, yarn_mscale
 from trainlib.models.layers import RMSNorm
@@ -199,9 +198,7 @@ class Transformer(layers.DecoderLM):
 
     @staticmethod
     def make_block(args: ModelArgs, index: int) -> nn.Module:
-        if index < args.n_dense_layers:
-            return layers.TransformerBlock(args.dim, args.ffn_dim, args.norm_eps, MLA(args))
-        return layers.MoEBlock(args.dim, args.norm_eps, MLA(args), MoE(args.dim, args.moe))
+        return layers.dense_then_moe_block(args, index, MLA(args))
 
     rope_table = staticmethod(precompute_rope)
 

@@ -22,7 +22,7 @@ from torch import nn
 
 from trainlib.models import layers
 from trainlib.models.qwen3_moe.args import FLAVORS, ModelArgs, get_model_args
-from trainlib.blocks.moe import MoE, MoEArgs
+from trainlib.blocks.moe import MoEArgs
 from trainlib.models.qwen3.model import Attention, apply_rope, precompute_rope
 from trainlib.models.spec import BlockShape
 
@@ -36,9 +36,7 @@ class Transformer(layers.DecoderLM):
 
     @staticmethod
     def make_block(args: ModelArgs, index: int) -> nn.Module:
-        if index < args.n_dense_layers:
-            return layers.TransformerBlock(args.dim, args.ffn_dim, args.norm_eps, Attention(args))
-        return layers.MoEBlock(args.dim, args.norm_eps, Attention(args), MoE(args.dim, args.moe))
+        return layers.dense_then_moe_block(args, index, Attention(args))
 
     rope_table = staticmethod(precompute_rope)
 
