@@ -25,7 +25,9 @@ MuonClip (`enable_qk_clip(tau)`, `optimizer.muon.qk_clip_threshold`): every
 attention kernel records its heads' max logits in the forward; after the
 forward and backward they are assembled per global head (TP's head slices at
 the rank's offset) and reduced by max over the ranks that split the batch
-(`dp_cp`) and the heads (`tp`), the overall max is the step's `max_attn_logit`
+and the sequence (`dp_cp`; context parallelism's kernels record the chunks
+and head slices they attend with, trainlib.blocks.attention) and the heads
+(`tp`), the overall max is the step's `max_attn_logit`
 (over `pp` too), and after the optimizer step every head whose max exceeded
 tau gets its W_q and W_k rows rescaled so its logits scale by tau / max (the
 family's `qk_clip_factors`); a withheld step rescales nothing.
@@ -90,10 +92,6 @@ class StepRunner:
     def enable_qk_clip(self, tau: float) -> None:
         """MuonClip with threshold `tau` (see the module docstring): measure every attention kernel's per-head
         max logit from now on, log it, and rescale the heads above `tau` after each optimizer step."""
-        if self.dims.cp_enabled:
-            raise ConfigError(f"optimizer.muon.qk_clip_threshold = {tau} with context parallelism (cp = "
-                              f"{self.dims.cp}): MuonClip's logit measurement is not built for CP's query and "
-                              f"head shards; set parallelism.cp = 1 or qk_clip_threshold = 0")
         attn = [m for part in self.parts for m in part.modules() if isinstance(m, Attention)]
         for m in attn:
             if type(m).qk_clip_factors is Attention.qk_clip_factors:  # the family declares none

@@ -1,8 +1,10 @@
 """Context parallel: layout helpers, attention vs plain SDPA on gloo ranks, config errors, parity."""
 
+import functools
 from types import SimpleNamespace
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from tests.helpers import RECIPES, BytesSent, build_debug, spawn
@@ -243,6 +245,18 @@ def assert_matches(got, want, mine, what):
         torch.testing.assert_close(x, mine(r), msg=lambda m, w=f"{name} {what}": f"{w}: {m}")
 
 
+def assert_max_logits_over_cp(got, group, q, k, mask):
+    """MuonClip's measurement under CP: this rank's per-head max logits, max-reduced over the cp group,
+    equal the one-process value of the whole window's q and k (causal, or the whole window's `mask`)."""
+    from trainlib.blocks.attention import max_logits
+
+    got = got.clone()
+    dist.all_reduce(got, op=dist.ReduceOp.MAX, group=group)
+    want = max_logits(q, k, mask, scale=MLA_SCALE)
+    torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+    assert not torch.allclose(want, max_logits(q, k, mask, scale=None))  # the scale reached the measurement
+
+
 def _mla_shaped_all_gather(rank, world):
     """cp_sdpa at cp = 2 (inside (2, 2)) with v narrower than q and k and a non-default scale: both
     kernels causal, both layouts, and under a document mask (the model's masked kernel on the gathered
@@ -251,7 +265,7 @@ def _mla_shaped_all_gather(rank, world):
     from torch.distributed.device_mesh import init_device_mesh
 
     from tests.helpers import doc_ids_from_starts
-    from trainlib.blocks.attention import document_mask, sdpa
+    from trainlib.blocks.attention import Attention, document_mask, sdpa
     from trainlib.parallel.cp import cp_sdpa, layout_positions
     from trainlib.plan.comm import cp_bytes
 
@@ -270,11 +284,14 @@ def _mla_shaped_all_gather(rank, world):
         for kernel in ("lse", "mask", "document"):
             local = [mine(t).requires_grad_() for t in (q, k, v)]
             mask = document_mask(doc_ids, torch.float64, q_pos, flex=False) if kernel == "document" else None
+            attn = Attention()  # MuonClip's measurement around the CP kernel, as StepRunner.enable_qk_clip
+            attn.sdpa = functools.partial(cp_sdpa, group=group, cp=2, rank=cp_rank, load_balance=load_balance,
+                                          kernel="auto" if kernel == "document" else kernel, attend=sdpa)
+            attn.measure_max_logits()
             with BytesSent(2) as sent:
-                out = cp_sdpa(*local, mask, scale=MLA_SCALE, group=group, cp=2, rank=cp_rank,
-                              load_balance=load_balance, kernel="auto" if kernel == "document" else kernel,
-                              attend=sdpa)
+                out = attn.sdpa(*local, mask, scale=MLA_SCALE)
                 out.backward(mine(dout))
+            assert_max_logits_over_cp(attn.max_logit, group, q, k, full_mask if mask is not None else None)
             assert out.shape[-1] == 16
             assert sent.counts == {"all_gather": 1, "reduce_scatter": 1}, sent.counts
             shape = SimpleNamespace(block=mla_block_shape(4, 2), tp=1, cp=2, cp_ulysses=1, elem=8,

@@ -6,7 +6,8 @@ import functools
 import torch
 import torch.nn.functional as F
 
-from tests.distributed.test_cp import MLA_SCALE, assert_matches, mla_block_shape, mla_inputs, mla_reference
+from tests.distributed.test_cp import (MLA_SCALE, assert_matches, assert_max_logits_over_cp, mla_block_shape,
+                                       mla_inputs, mla_reference)
 from tests.helpers import doc_ids_from_starts, per_document_attention, spawn
 from trainlib.blocks.attention import Attention, document_mask
 from trainlib.parallel.cp import shard_sequence
@@ -197,6 +198,7 @@ def _mla_shaped_ulysses_and_hybrid(rank, world):
         cp, u = cp_mesh.size(), 2
         outer = {"outer_mesh": dims.mesh("cp_outer"), "inner_mesh": dims.mesh("cp_inner")} if cp > u else {}
         model = apply_cp(_AttentionOnly(), cp_mesh, ulysses=u, **outer)
+        model.attn.measure_max_logits()  # MuonClip's measurement around the composed kernels
         mine = functools.partial(shard_sequence, cp=cp, rank=cp_mesh.get_local_rank(), dim=2, ulysses=u)
         for docs in (None, doc_ids):
             want = mla_reference(q, k, v, dout, None if docs is None else document_mask(docs, torch.float64,
@@ -205,6 +207,10 @@ def _mla_shaped_ulysses_and_hybrid(rank, world):
             with BytesSent(2) as sent:  # both of hybrid's groups have 2 ranks
                 out = model(*local, doc_ids=docs)
                 out.backward(mine(dout))
+            got, model.attn.max_logit = model.attn.max_logit, None  # -inf outside this rank's head slice
+            assert got.isinf().any() and not got.isinf().all(), (name, got)
+            assert_max_logits_over_cp(got, cp_mesh.get_group(), q, k,
+                                      None if docs is None else document_mask(docs, torch.float64, flex=False))
             assert out.shape[-1] == 16
             shape = SimpleNamespace(block=mla_block_shape(4, kv_heads), tp=1, cp=cp, cp_ulysses=u, elem=8,
                                     mb_tokens=local[0].shape[0] * local[0].shape[2])

@@ -63,11 +63,11 @@ def test_muon_resume_is_bitwise_fsdp2_and_a_reshard_continues(tmp_path):
         assert abs(a - b) <= 1e-6 * abs(b), f"step {s}: {a} vs {b}"
 
 
-def _clip_run(layouts: list[str], tmp_path, tau: float = 0.02, recipe: str = "debug.toml"):
+def _clip_run(layouts: list[str], tmp_path, tau: float = 0.02, recipe: str = "debug.toml", extra=()):
     """The debug recipe under Muon with MuonClip at `tau` (below the untrained model's max logit, ~0.15, so
     every step clips): the one-process curve, each layout's, and every run's logged max_attn_logit."""
     report = run_parity(str(RECIPES / recipe), layouts, steps=10, out_dir=tmp_path,
-                        extra=[*MUON, f"--optimizer.muon.qk_clip_threshold={tau}"])
+                        extra=[*MUON, f"--optimizer.muon.qk_clip_threshold={tau}", *extra])
     logits = {}
     for run in [report.baseline, *report.runs]:
         folder = tmp_path / (run.name.replace(",", "_").replace("=", "") if run.name != "single" else "single")
@@ -76,12 +76,12 @@ def _clip_run(layouts: list[str], tmp_path, tau: float = 0.02, recipe: str = "de
     return report, logits
 
 
-def _assert_clip_parity(layouts: list[str], tmp_path, recipe: str = "debug.toml"):
+def _assert_clip_parity(layouts: list[str], tmp_path, recipe: str = "debug.toml", extra=()):
     tau = 0.02
-    report, logits = _clip_run(layouts, tmp_path, tau, recipe)
+    report, logits = _clip_run(layouts, tmp_path, tau, recipe, extra)
     print(report.table())
     assert f"lr match_rms_adamw, MuonClip tau {tau:g})" in report.baseline.output  # the start-up line says it
-    off = run_parity(str(RECIPES / recipe), [], steps=10, extra=MUON).baseline  # pooled: test above's
+    off = run_parity(str(RECIPES / recipe), [], steps=10, extra=[*MUON, *extra]).baseline  # pooled
     # the clip changed the curve: by little over 10 steps (measured 2.2e-5 relative at most; attention moves
     # the untrained model's loss little), but beyond the tolerance and 20x the layouts' own differences
     effect = max(abs(a - b) / b for a, b in zip(report.baseline.losses, off.losses))
@@ -110,3 +110,12 @@ def test_muonclip_matches_under_tp_and_fsdp_tp(tmp_path):
 def test_muonclip_on_mla_matches_under_tp_and_fsdp(tmp_path):
     # DeepSeek-V3's MLA: only the head-specific rows (wq_b, wkv_b's k_nope) rescale; TP2 splits the heads.
     _assert_clip_parity(["tp=2", "dp_shard=2"], tmp_path, "debug_deepseek.toml")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mask", ["causal", "document"])
+def test_muonclip_matches_under_context_parallelism(tmp_path, mask):
+    # all-gather CP2 (each rank's query chunks against the keys they see), Ulysses CP2 (each rank's head slice
+    # over the whole sequence) and hybrid 2x2 (both): the max over cp is one process's per head
+    _assert_clip_parity(["cp=2", "cp=2,cp_method=ulysses", "cp=4,cp_method=hybrid,cp_ulysses=2"], tmp_path,
+                        extra=[f"--model.attn_mask={mask}"])

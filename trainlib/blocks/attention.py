@@ -23,7 +23,7 @@ from torch.nn.attention.flex_attention import BlockMask, create_block_mask, flex
 
 from trainlib.blocks.moe import counting
 
-__all__ = ["Attention", "document_mask", "max_logits", "sdpa"]
+__all__ = ["Attention", "document_mask", "max_logits", "record_max_logits", "recorded", "sdpa"]
 
 
 def document_mask(doc_ids: torch.Tensor, dtype: torch.dtype, q_positions: torch.Tensor | None = None,
@@ -79,11 +79,12 @@ def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor |
 
 
 def max_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | BlockMask | None = None, *,
-               scale: float | None = None, chunk: int = 256) -> torch.Tensor:
+               scale: float | None = None, q_offset: int = 0, chunk: int = 256) -> torch.Tensor:
     """Each query head's largest attention logit, scale * q.k over the keys its queries see (causal, or
     `mask` from `document_mask`), over the batch and the queries: [h] float32, detached. Arguments as
-    `sdpa`'s (a causal call has the queries and keys of one whole window). Computed `chunk` queries at a
-    time in float32, so the memory is b * h * chunk * s_k scores, never the whole score matrix."""
+    `sdpa`'s; causal, query i sits at key position `q_offset` + i (0: the queries and keys of one whole
+    window; context parallelism's chunks pass their start). Computed `chunk` queries at a time in float32,
+    so the memory is b * h * chunk * s_k scores, never the whole score matrix."""
     b, h, s, d = q.shape
     h_kv, s_k = k.shape[1], k.shape[2]
     scale = d ** -0.5 if scale is None else scale
@@ -95,7 +96,7 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | BlockMask 
         rows = torch.arange(i, min(i + chunk, s), device=q.device)
         scores = (qf[..., i:i + len(rows), :] @ kt).flatten(1, 2) * scale  # [b, h, c, s_k]
         if mask is None:
-            visible = (keys[None, :] <= rows[:, None])[None, None]
+            visible = (keys[None, :] <= rows[:, None] + q_offset)[None, None]
         elif isinstance(mask, BlockMask):
             zero = torch.zeros((), dtype=torch.long, device=q.device)
             visible = mask.mask_mod(torch.arange(b, device=q.device)[:, None, None, None], zero,
@@ -107,13 +108,62 @@ def max_logits(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor | BlockMask 
     return best
 
 
+class _Record:
+    """The per-head max logits of one measured attention call ([heads] of the module's call), filled by the
+    kernels that compute them; `offset` is where the running kernel's heads start (Ulysses' head slice)."""
+
+    def __init__(self, heads: int, device: torch.device):
+        self.best = torch.full((heads,), float("-inf"), device=device)
+        self.offset = 0
+        self.records = 0
+
+
+_RECORDS: list[_Record] = []  # the measured calls running now (innermost last); empty: nothing measured
+
+
+def record_max_logits(q: torch.Tensor, k: torch.Tensor, mask=None, *, scale: float | None = None,
+                      q_offset: int = 0) -> None:
+    """For a kernel that attends in another layout than its caller's (context parallelism): record the max
+    logits of the queries and keys it multiplies (`max_logits`' arguments) into the measured call running
+    now, at the head offset of the enclosing `recorded`; nothing when no call is measured."""
+    if not _RECORDS:
+        return
+    rec = _RECORDS[-1]
+    m = max_logits(q, k, mask, scale=scale, q_offset=q_offset)
+    part = rec.best[rec.offset:rec.offset + m.numel()]
+    torch.maximum(part, m, out=part)
+    rec.records += 1
+
+
+def recorded(attend, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, scale: float | None = None,
+             head_offset: int = 0) -> torch.Tensor:
+    """`attend(q, k, v, mask, scale=scale)` inside a measured call: its heads are the caller's from
+    `head_offset` on; when the kernel records nothing itself (the module's own kernel) the logits of these
+    q and k under `mask` are recorded here. Outside a measured call, just `attend(...)`."""
+    if not _RECORDS:
+        return attend(q, k, v, mask, scale=scale)
+    rec = _RECORDS[-1]
+    before = rec.records
+    rec.offset += head_offset
+    try:
+        out = attend(q, k, v, mask, scale=scale)
+        if rec.records == before:
+            record_max_logits(q, k, mask, scale=scale)
+    finally:
+        rec.offset -= head_offset
+    return out
+
+
 class Attention(nn.Module):
     """Base of every family's attention module (see the module docstring).
 
     MuonClip (`optimizer.muon.qk_clip_threshold`, trainlib.step): `measure_max_logits()` makes this
     instance's kernel record each query head's max logit (`max_logits`) into `max_logit` on every call
     (the running max until the step runner takes it); a family that supports the clip overrides
-    `qk_clip_factors`."""
+    `qk_clip_factors`. Under context parallelism the kernels record what they multiply (`recorded`,
+    `record_max_logits`): all-gather CP this rank's query chunks against the keys they see, Ulysses the
+    whole sequence for this rank's head slice (-inf at the other heads), so the max over the `cp` ranks
+    is the one-process value per head."""
 
     sdpa = staticmethod(sdpa)
     max_logit: torch.Tensor | None = None
@@ -125,10 +175,13 @@ class Attention(nn.Module):
         def measured(q, k, v, mask=None, *, scale=None):
             if not counting():  # a pipeline stage's forward on placeholder inputs
                 return inner(q, k, v, mask, scale=scale)
-            with torch.no_grad():
-                m = max_logits(q, k, mask, scale=scale)
+            _RECORDS.append(_Record(q.shape[1], q.device))
+            try:  # max_logits reads detached copies: the recording adds nothing to autograd
+                out = recorded(inner, q, k, v, mask, scale=scale)
+            finally:
+                m = _RECORDS.pop().best
             self.max_logit = m if self.max_logit is None else torch.maximum(self.max_logit, m)
-            return inner(q, k, v, mask, scale=scale)
+            return out
 
         self.sdpa = measured
 

@@ -60,7 +60,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from trainlib.data import document_ids, map_tensors
-from trainlib.blocks.attention import Attention
+from trainlib.blocks.attention import Attention, record_max_logits, recorded
 from trainlib.parallel.ulysses import ulysses_sdpa
 
 __all__ = ["apply_cp", "chunk_ids", "cp_sdpa", "gather_kv", "layout_positions", "local_micro_batches", "shard_batch", "shard_sequence", "unshard_sequence"]
@@ -328,8 +328,8 @@ def cp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, sca
     masked kernel.
     """
     k_full, v_full = gather_kv(k, v, group, cp, load_balance)
-    if mask is not None:
-        return attend(q, k_full, v_full, mask, scale=scale)
+    if mask is not None:  # the mask's rows are this rank's queries: MuonClip records these q over all keys
+        return recorded(attend, q, k_full, v_full, mask, scale=scale)
     ids = chunk_ids(cp, rank, load_balance)
     c = q.shape[2] // len(ids)
     gqa = q.shape[1] != k.shape[1]
@@ -348,6 +348,7 @@ def cp_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *, sca
     for j, g in enumerate(ids):
         qj = q[:, :, j * c:(j + 1) * c]
         lo, hi = g * c, (g + 1) * c
+        record_max_logits(qj, k_full[:, :, :hi], scale=scale, q_offset=lo)  # MuonClip, when measured
         if kernel == "lse":
             out = _PrefixCausalAttention.apply(qj, k_full[:, :, :lo], v_full[:, :, :lo],
                                                k_full[:, :, lo:hi], v_full[:, :, lo:hi], scale)

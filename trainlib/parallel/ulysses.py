@@ -39,6 +39,8 @@ import math
 import torch
 import torch.distributed as dist
 
+from trainlib.blocks.attention import recorded
+
 __all__ = ["replicate_kv_heads", "ulysses_sdpa"]
 
 
@@ -109,4 +111,6 @@ def ulysses_sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask=None, *
         raise ValueError(f"Ulysses over {u} ranks needs query heads divisible by {u}, got {q.shape[1]}")
     k, v = replicate_kv_heads(k, u), replicate_kv_heads(v, u)
     q, k, v = _seq_to_heads([q, k, v], u, group)
-    return _heads_to_seq(attend(q, k, v, mask, scale=scale), u, group)
+    # this rank's heads are its slice of the caller's (MuonClip records them at that offset)
+    out = recorded(attend, q, k, v, mask, scale=scale, head_offset=dist.get_rank(group) * q.shape[1])
+    return _heads_to_seq(out, u, group)
