@@ -115,6 +115,33 @@ def test_the_compiled_update_computes_what_the_eager_one_does_and_compiles_once_
         assert dynamo_utils.counters["stats"]["unique_graphs"] <= 2, dynamo_utils.counters["stats"]
 
 
+@pytest.mark.parametrize("state_dtype", ["float32", "bfloat16"])
+def test_the_eager_update_in_slices_is_the_whole_tensors_update(monkeypatch, state_dtype):
+    """Eager, each tensor is updated EAGER_SLICE elements at a time (bounding the temporaries): bitwise the
+    same weights, moments and step counts as one call per tensor, an empty tensor's step counted too, and a
+    step that found_inf withholds moves no slice."""
+    import trainlib.adamw as adamw
+
+    def run(slice_elems):
+        monkeypatch.setattr(adamw, "EAGER_SLICE", slice_elems)
+        params = _params() + [torch.nn.Parameter(torch.zeros(0))]
+        opt = AdamW(_groups(params), compile=False, state_dtype=state_dtype)
+        _steps(opt, params, 3)
+        before = [p.detach().clone() for p in params]
+        opt.found_inf = torch.ones(())
+        _steps(opt, params, 1, seed=2)
+        assert all(torch.equal(p, b) for p, b in zip(params, before))  # withheld: nothing moved
+        return params, opt
+
+    whole, a = run(1 << 30)
+    sliced, b = run(100)  # several slices per tensor (48 x 32 = 1536 elements: 16), one short
+    for p, q in zip(whole, sliced):
+        assert torch.equal(p, q)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(a.state[p][key], b.state[q][key]), key
+        assert float(b.state[q]["step"]) == 3  # counted once per step, not once per slice
+
+
 def test_config_picks_it_for_bf16_moments_and_refuses_an_implementation_that_cannot():
     assert resolve_implementation("auto", [torch.zeros(1)], "bfloat16") == "compiled"
     assert resolve_implementation("auto", [torch.zeros(1)], "float32") == "foreach"
