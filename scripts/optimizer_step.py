@@ -7,9 +7,11 @@
 One process, the Llama 3 model of `--flavor` with the family's roles (ModelSpec.param_role), fp32 weights
 and random gradients. Each optimizer is built over the same model, warmed up by one step (its state
 allocated), then timed over `--steps` steps per run; the runs of AdamW and Muon alternate, `--runs` of each,
-and the medians are printed. Peak memory: torch's MemTracker over one step after the warm-up (the step's
-transient tensors above what it started with: parameters, gradients and the optimizer state), and the
-optimizer state's bytes. AdamW runs as `optimizer.implementation = auto` picks it (foreach on CPU).
+and the medians are printed. Peak memory: over one step after the warm-up, the most bytes the step's own
+allocations held at once (CUDA: the allocator's peak; CPU: the profiler's allocation events), and the
+optimizer state's bytes. On CPU set `GLIBC_TUNABLES=glibc.malloc.mmap_threshold=4294967296:
+glibc.malloc.trim_threshold=17179869184` for steady timings (docs/optimizers.md says why). AdamW runs as
+`optimizer.implementation = auto` picks it (foreach on CPU).
 """
 
 from __future__ import annotations
@@ -48,14 +50,18 @@ def _peak_step_bytes(opt: torch.optim.Optimizer, device: torch.device) -> int:
         opt.step()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device) - base
-    from torch.distributed._tools.mem_tracker import MemTracker
-
-    tracker = MemTracker()
-    tracker.track_external(opt)
-    with tracker:
-        base = tracker.get_tracker_snapshot("current")[device]["Total"]
+    # The CPU allocator's own record of the step (the profiler's memory events, in order): the highest sum of
+    # bytes allocated minus freed. (torch's MemTracker counted tensors the step touched that existed before
+    # it, the weights and gradients, as if the step had allocated them.)
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
         opt.step()
-    return tracker.get_tracker_snapshot("peak")[device]["Total"] - base
+    events = sorted((e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"),
+                    key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
 
 
 def main(argv: list[str] | None = None) -> None:
