@@ -90,6 +90,19 @@ class MoEBlock(nn.Module):
         return x + self.moe(self.ffn_norm(x))
 
 
+def dense_then_moe_ops(args) -> list[tuple[str, float, bool]]:
+    """The feed-forward ops of an MoE family's average block (`dense_then_moe_block`'s blocks), per token: the
+    gated MLP's weighted by the share of dense blocks (n_dense_layers / n_layers), the MoE's (`moe_ops`) by
+    the rest, ops of weight 0 left out; so n_layers x (attention + these) is the decoder's blocks exactly."""
+    n_dense, n = args.n_dense_layers, args.n_layers
+    ops = []
+    if n_dense:
+        ops += [(name, flops * n_dense / n, mm) for name, flops, mm in feed_forward_ops(args.dim, args.ffn_dim)]
+    if n_dense < n:
+        ops += [(name, flops * (n - n_dense) / n, mm) for name, flops, mm in moe_ops(args.dim, args.moe)]
+    return ops
+
+
 def dense_then_moe_block(args, index: int, attention: nn.Module) -> nn.Module:
     """Block `index` of an MoE family whose first `args.n_dense_layers` blocks have a gated MLP
     (`TransformerBlock`) and the rest an MoE feed-forward (`MoEBlock`, MoE of `args.moe`), around the family's

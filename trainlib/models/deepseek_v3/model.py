@@ -283,14 +283,6 @@ def _attention_ops(args: ModelArgs, seq_len: int) -> list[tuple[str, float, bool
             ("wo", 2 * h * args.v_head_dim * d, True)]
 
 
-def _dense_ffn_ops(args: ModelArgs) -> list[tuple[str, float, bool]]:
-    return layers.feed_forward_ops(args.dim, args.ffn_dim)
-
-
-def _moe_ffn_ops(args: ModelArgs) -> list[tuple[str, float, bool]]:
-    return layers.moe_ops(args.dim, args.moe)
-
-
 def block_forward_flops(args: ModelArgs, seq_len: int) -> list[tuple[str, float, bool]]:
     """The average decoder block's forward FLOPs per token, op by op in the order forward runs them: (name,
     FLOPs, is a matmul), counting the parameters a token ACTIVATES, 2 FLOPs each:
@@ -301,15 +293,9 @@ def block_forward_flops(args: ModelArgs, seq_len: int) -> list[tuple[str, float,
       MoE block    router 2 * dim * n_experts, experts 2 * 3 * dim * expert_dim * top_k, shared_experts
                    2 * 3 * dim * expert_dim * n_shared_experts
       dense block  w1, w3, w2: 2 * dim * ffn_dim each
-    Each feed-forward op is weighted by the share of blocks that run it (as Qwen3-MoE's), so n_layers x this
-    list is the decoder's blocks exactly. The MTP blocks are not in it (flops_per_token counts them)."""
-    n_dense, n = args.n_dense_layers, args.n_layers
-    ops = _attention_ops(args, seq_len)
-    if n_dense:
-        ops += [(name, flops * n_dense / n, mm) for name, flops, mm in _dense_ffn_ops(args)]
-    if n_dense < n:
-        ops += [(name, flops * (n - n_dense) / n, mm) for name, flops, mm in _moe_ffn_ops(args)]
-    return ops
+    Each feed-forward op is weighted by the share of blocks that run it (layers.dense_then_moe_ops), so
+    n_layers x this list is the decoder's blocks exactly. The MTP blocks are not in it (flops_per_token counts them)."""
+    return _attention_ops(args, seq_len) + layers.dense_then_moe_ops(args)
 
 
 def block_shapes(args: ModelArgs) -> list[BlockShape]:
@@ -336,6 +322,6 @@ def flops_per_token(args: ModelArgs, seq_len: int) -> float:
     discounted (the PaLM-appendix convention), as for the other families."""
     block = sum(flops for _, flops, _ in block_forward_flops(args, seq_len))
     head = 2 * args.vocab_size * args.dim
-    mtp_block = sum(f for _, f, _ in _attention_ops(args, seq_len) + _moe_ffn_ops(args))
+    mtp_block = sum(f for _, f, _ in _attention_ops(args, seq_len) + layers.moe_ops(args.dim, args.moe))
     mtp = args.mtp_depth * (2 * 2 * args.dim * args.dim + mtp_block + head)
     return 3 * (args.n_layers * block + head + mtp)

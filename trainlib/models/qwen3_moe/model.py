@@ -51,14 +51,6 @@ def _attention_ops(args: ModelArgs, seq_len: int) -> list[tuple[str, float, bool
             ("wo", 2 * args.n_heads * hd * d, True)]
 
 
-def _dense_ffn_ops(args: ModelArgs) -> list[tuple[str, float, bool]]:
-    return layers.feed_forward_ops(args.dim, args.ffn_dim)
-
-
-def _moe_ffn_ops(args: ModelArgs) -> list[tuple[str, float, bool]]:
-    return layers.moe_ops(args.dim, args.moe)
-
-
 def block_forward_flops(args: ModelArgs, seq_len: int) -> list[tuple[str, float, bool]]:
     """The average block's forward FLOPs per token, op by op in the order forward runs them: (name, FLOPs,
     is a matmul). Attention's ops as Qwen3's (wq, wk, wv, "attention" = 4 * heads * head_dim * seq, wo),
@@ -70,13 +62,7 @@ def block_forward_flops(args: ModelArgs, seq_len: int) -> list[tuple[str, float,
     weighted by the share of blocks that run it (dense ops by n_dense_layers / n_layers, MoE ops by the rest;
     ops of weight 0 are left out), so n_layers x this list is the model's blocks exactly (what the planner
     multiplies it by) and, for the published flavors (no dense block), it is the MoE block's list."""
-    n_dense, n = args.n_dense_layers, args.n_layers
-    ops = _attention_ops(args, seq_len)
-    if n_dense:
-        ops += [(name, flops * n_dense / n, mm) for name, flops, mm in _dense_ffn_ops(args)]
-    if n_dense < n:
-        ops += [(name, flops * (n - n_dense) / n, mm) for name, flops, mm in _moe_ffn_ops(args)]
-    return ops
+    return _attention_ops(args, seq_len) + layers.dense_then_moe_ops(args)
 
 
 def block_shapes(args: ModelArgs) -> list[BlockShape]:
@@ -93,7 +79,9 @@ def block_shapes(args: ModelArgs) -> list[BlockShape]:
 def active_params_per_block(args: ModelArgs, index: int) -> int:
     """Matmul parameters block `index` applies to one token (norms left out): attention's projections,
     then the dense MLP, or the router, top_k routed experts and the shared experts."""
-    ops = _attention_ops(args, 1) + (_dense_ffn_ops(args) if index < args.n_dense_layers else _moe_ffn_ops(args))
+    ffn = layers.feed_forward_ops(args.dim, args.ffn_dim) if index < args.n_dense_layers else \
+        layers.moe_ops(args.dim, args.moe)
+    ops = _attention_ops(args, 1) + ffn
     return sum(flops for _, flops, mm in ops if mm) // 2
 
 
