@@ -97,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
             times[k].append((time.perf_counter() - start) / a.steps)
     print(f"{a.flavor}{f' ({a.n_layers} layers)' if a.n_layers else ''}: {n / 1e6:.2f}M parameters, {device}, "
           f"torch {torch.__version__}, {torch.get_num_threads()} threads; median of {a.runs} runs x {a.steps} steps")
-    print(f"| optimizer | step ms (median) | runs min-max ms | step peak above start MiB | state MiB |")
+    print("| optimizer | step ms (median) | runs min-max ms | step peak above start MiB | state MiB |")
     print("|---|---|---|---|---|")
     for k, opt in opts.items():
         ms = [t * 1e3 for t in times[k]]

@@ -355,6 +355,23 @@ class NewTensors(TorchDispatchMode):
         return out
 
 
+def sgd_losses(model, tokens, steps: int = 5, lr: float = 0.5) -> list[float]:
+    """`steps` SGD steps of next-token cross-entropy on one batch of `tokens` [b, s + 1]: the losses (a model
+    that learns lowers them; the gradients are left on the parameters)."""
+    import torch.nn.functional as F
+
+    inputs, targets = tokens[:, :-1], tokens[:, 1:]
+    opt = torch.optim.SGD(model.parameters(), lr=lr)
+    losses = []
+    for _ in range(steps):
+        loss = F.cross_entropy(model(inputs).flatten(0, 1), targets.flatten())
+        opt.zero_grad()
+        loss.backward()
+        losses.append(loss.item())
+        opt.step()
+    return losses
+
+
 def doc_ids_from_starts(starts: list[list[int]], seq_len: int):
     """[b, seq_len] document ids from each row's document start positions (0 first)."""
     import torch

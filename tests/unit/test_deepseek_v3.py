@@ -10,6 +10,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from tests.helpers import sgd_losses
 from trainlib.blocks import attention
 from trainlib.blocks.moe import MoE, MoEArgs, moe_layers
 from trainlib.errors import ConfigError
@@ -128,15 +129,7 @@ def test_debug_deepseek_builds_on_meta_and_cpu_initialises_and_learns():
 
     # a few SGD steps on one batch lower its loss (gradients reach the router, experts and latents)
     tokens = _tokens(s=33, vocab=args.vocab_size)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    losses = []
-    for _ in range(5):
-        loss = F.cross_entropy(ref(inputs).flatten(0, 1), targets.flatten())
-        opt.zero_grad()
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
+    losses = sgd_losses(ref, tokens)
     assert losses[-1] < losses[0] - 0.1, losses
     assert ref.layers["1"].moe.router.gate.weight.grad.abs().sum() > 0
     assert ref.layers["2"].attention.wkv_a.weight.grad.abs().sum() > 0

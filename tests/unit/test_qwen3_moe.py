@@ -9,8 +9,8 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
+from tests.helpers import sgd_losses
 from trainlib.blocks import attention
 from trainlib.errors import ConfigError
 from trainlib.models import count_params, layers
@@ -100,15 +100,7 @@ def test_debug_moe_builds_on_meta_and_cpu_initialises_and_learns():
     ref.output_in_forward = True
 
     # a few SGD steps on one batch lower its loss (gradients reach router and experts)
-    inputs, targets = tokens[:, :-1], tokens[:, 1:]
-    opt = torch.optim.SGD(ref.parameters(), lr=0.5)
-    losses = []
-    for _ in range(5):
-        loss = F.cross_entropy(ref(inputs).flatten(0, 1), targets.flatten())
-        opt.zero_grad()
-        loss.backward()
-        losses.append(loss.item())
-        opt.step()
+    losses = sgd_losses(ref, tokens)
     assert losses[-1] < losses[0] - 0.1, losses
     assert ref.layers["1"].moe.router.gate.weight.grad.abs().sum() > 0
 
