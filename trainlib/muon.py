@@ -285,8 +285,6 @@ def _owner_rounds(mesh, k: int, params: list[DTensor], args: tuple, prepare, fin
                 raise RuntimeError(f"shard of {tuple(params[j].shape)} on rank {me} of {n} is "
                                    f"{tuple(prep[-1].shape)}, expected {sizes[j][me]} on dim {dims[j]}")
         empty = next(iter(prepared.values()))[-1].new_empty(0)
-        send = [prepared[j][-1].reshape(-1) if j is not None else empty for j in slot]
-        in_splits = [s.numel() for s in send]
         mine = slot[me]
         shard_shapes = []
         if mine is not None:
@@ -294,23 +292,21 @@ def _owner_rounds(mesh, k: int, params: list[DTensor], args: tuple, prepare, fin
                 shape = list(params[mine].shape)
                 shape[dims[mine]] = size
                 shard_shapes.append(shape)
-        out_splits = [math.prod(s) for s in shard_shapes] if mine is not None else [0] * n
-        recv = empty.new_empty(sum(out_splits))
-        dist.all_to_all_single(recv, torch.cat(send), out_splits, in_splits, group=group)
-        del send
-        back = [empty] * n
+        recv = _exchange(group, [[prepared[j][-1]] if j is not None else [] for j in slot],
+                         [[math.prod(s)] for s in shard_shapes] if mine is not None else [[]] * n, empty)
+        back: list[list[torch.Tensor]] = [[] for _ in range(n)]
         if mine is not None:
-            full = torch.cat([c.view(s) for c, s in zip(recv.split(out_splits), shard_shapes)], dim=dims[mine])
+            full = torch.cat([r[0].view(s) for r, s in zip(recv, shard_shapes)], dim=dims[mine])
             result = newton_schulz(full, *args)
             del full
-            back = [c.contiguous().reshape(-1) for c in result.split(sizes[mine], dim=dims[mine])]
+            back = [[c.contiguous()] for c in result.split(sizes[mine], dim=dims[mine])]
         del recv
-        returned = empty.new_empty(sum(in_splits))
-        dist.all_to_all_single(returned, torch.cat(back), in_splits, out_splits, group=group)
+        returned = _exchange(group, back, [[prepared[j][-1].numel()] if j is not None else [] for j in slot],
+                             empty)
         del back
-        for j, c in zip(slot, returned.split(in_splits)):
+        for j, r in zip(slot, returned):
             if j is not None:
-                finish(params[j], prepared[j], c.view(prepared[j][-1].shape))
+                finish(params[j], prepared[j], r[0].view(prepared[j][-1].shape))
 
 
 def _nested_2d(p: DTensor, sharded: list) -> bool:
