@@ -195,7 +195,7 @@ class StepRunner:
     def _take_moe_stats(self) -> torch.Tensor | None:
         """Every MoE layer's routing statistics since the last call, as one [n_layers, E + N_STATS] tensor
         (MoE.take_stats's rows; zero rows for layers not on this rank), summed over all ranks: the
-        global batch's. Every rank calls it (one all-reduce over the world)."""
+        global batch's. Every rank calls it (one all-reduce over the mesh `pp_dp_cp_tp`)."""
         if not self.moe_experts:  # a dense model; else every rank, MoE layers or not, joins the all-reduce
             return None
         n_layers = 1 + max(self.moe_experts)
@@ -205,13 +205,10 @@ class StepRunner:
             row = m.take_stats()
             stats[i, :m.args.n_experts], stats[i, -MoE.N_STATS:] = row[:-MoE.N_STATS], row[-MoE.N_STATS:]
         if dist.is_initialized() and dist.get_world_size() > 1:
-            # summed over every rank of this world, mesh by mesh (pp x dp_cp x tp is the world; a size-1 one is a
-            # no-op): pipeline stages hold disjoint layers (zero rows elsewhere), data, context and tensor-parallel
-            # ranks route disjoint tokens (TP splits them, parallel.tp.moe_style)
-            stats = stats.reshape(-1).contiguous()
-            for name in ("dp_cp", "tp", "pp"):
-                dist.all_reduce(stats, group=self.dims.mesh(name).get_group())
-            stats = stats.view(n_layers, width)
+            # summed over every rank of this job (pp x dp_cp x tp), in one all-reduce: pipeline stages hold
+            # disjoint layers (zero rows elsewhere), data, context and tensor-parallel ranks route disjoint
+            # tokens (TP splits them, parallel.tp.moe_style)
+            dist.all_reduce(stats, group=self.dims.mesh("pp_dp_cp_tp").get_group())
         return stats
 
     def _take_max_logits(self) -> torch.Tensor:

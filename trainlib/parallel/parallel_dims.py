@@ -162,6 +162,8 @@ class ParallelDims:
             raise ValueError(f"ParallelDims was built for world size {self.world_size}, "
                              f"but the process group has {dist.get_world_size()} ranks")
         world = init_device_mesh(device_type, (self.world_size,), mesh_dim_names=("world",))
+        # every rank of this job as one 1-D mesh (pp x dp_cp x tp): one collective where a reduction spans all
+        self._meshes["pp_dp_cp_tp"], self._view_dim["pp_dp_cp_tp"] = world, (world, 0)
         # Each view is an unflattening of the same world mesh, so that the
         # flattened dims (dp, dp_shard_cp, dp_cp) are first-class meshes rather
         # than slices of flattened dims, which torch is deprecating.
