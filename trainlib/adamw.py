@@ -34,6 +34,8 @@ import functools
 import torch
 from torch.distributed.tensor import DTensor
 
+from trainlib.params import local_tensor
+
 STATE_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 EAGER_SLICE = 1 << 22  # elements per eager update call (16 MiB of fp32): bounds the eager update's temporaries
 
@@ -67,10 +69,6 @@ def _compiled_update():
     return torch.compile(_update, dynamic=True, fullgraph=True)
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if isinstance(t, DTensor) else t
-
-
 class AdamW(torch.optim.Optimizer):
     """AdamW with one pass per parameter; see the module docstring.
 
@@ -99,7 +97,7 @@ class AdamW(torch.optim.Optimizer):
         if not state:
             dtype = STATE_DTYPES[group["state_dtype"]]
             # As torch's fused AdamW: the count is an fp32 tensor on the parameter's device.
-            state["step"] = torch.zeros((), dtype=torch.float32, device=_local(p).device)
+            state["step"] = torch.zeros((), dtype=torch.float32, device=local_tensor(p).device)
             state["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             state["exp_avg_sq"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         return state
@@ -129,13 +127,13 @@ class AdamW(torch.optim.Optimizer):
             g = p.grad
             if isinstance(p, DTensor) and isinstance(g, DTensor) and g.placements != p.placements:
                 g = g.redistribute(p.device_mesh, p.placements)
-            local = _local(p)
+            local = local_tensor(p)
             if local.device not in scalars:
                 scalars[local.device] = self._device_scalars(local.device, group)
             copy = copy_of.get(id(p))
             written += copy is not None
-            flat = [local.view(-1), _local(g).view(-1), _local(state["exp_avg"]).view(-1),
-                    _local(state["exp_avg_sq"]).view(-1)]
+            flat = [local.view(-1), local_tensor(g).view(-1), local_tensor(state["exp_avg"]).view(-1),
+                    local_tensor(state["exp_avg_sq"]).view(-1)]
             copy = None if copy is None else copy.view(-1)
             kw = dict(beta1=beta1, beta2=beta2, eps=group["eps"])
             if self._use_compile(local):  # one fused kernel: no temporaries

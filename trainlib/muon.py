@@ -67,8 +67,9 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard  # FSDP2's layout of a TP shard
 
-from trainlib.adamw import AdamW, _local
+from trainlib.adamw import AdamW
 from trainlib.optimizer_kind import NamedParam, OptimizerKind, adamw_groups, adamw_state_bytes
+from trainlib.params import local_tensor
 from trainlib.sections import OptimizerConfig
 
 NS_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -119,7 +120,7 @@ def step_cost(params: list[torch.Tensor], ns_steps: int) -> tuple[float, float]:
         a, b = p.shape[-2], p.shape[-1]
         m, n = min(a, b), max(a, b)
         per = ns_steps * (4 * m * m * n + 2 * m ** 3) * (p.shape[0] if p.ndim == 3 else 1)
-        local = _local(p)
+        local = local_tensor(p)
         nbytes = local.numel() * local.element_size()
         sharded = [k for k, pl in enumerate(p.placements) if not pl.is_replicate()] if isinstance(p, DTensor) else []
         if not sharded:
@@ -203,10 +204,10 @@ class Muon(AdamW):
                 if isinstance(p, DTensor) else []
             if sharded and not _whole_experts(p):
                 if len(sharded) == 1 and type(sharded[0][1]) is Shard:
-                    buckets.setdefault((p.device_mesh, (sharded[0][0],), _local(p).dtype), []).append(p)
+                    buckets.setdefault((p.device_mesh, (sharded[0][0],), local_tensor(p).dtype), []).append(p)
                     continue
                 if _nested_2d(p, sharded):
-                    buckets.setdefault((p.device_mesh, (sharded[0][0], sharded[1][0]), _local(p).dtype),
+                    buckets.setdefault((p.device_mesh, (sharded[0][0], sharded[1][0]), local_tensor(p).dtype),
                                        []).append(p)
                     continue
             prep = self._prepare(p, group)
@@ -229,7 +230,7 @@ class Muon(AdamW):
         state = self.state[p]
         if "momentum_buffer" not in state:
             state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-        local, grad, buf = _local(p), _local(g), _local(state["momentum_buffer"])
+        local, grad, buf = local_tensor(p), local_tensor(g), local_tensor(state["momentum_buffer"])
         if self.grad_scale is not None:
             grad = grad / self.grad_scale.to(grad.device)
         new_buf = buf.lerp(grad, 1 - group["momentum"])

@@ -52,6 +52,11 @@ def generate_init(spec: tuple[str, float], shape, seed: int, name: str, device, 
     return t.to(dtype)
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """This rank's part of `t`: a DTensor's local shard, any other tensor itself."""
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
 def _placement_dim(placement) -> int | None:
     """The tensor dim a Shard or _StridedShard placement cuts (None for
     Replicate/Partial). By attribute: torch 2.13's _StridedShard is not a

@@ -62,6 +62,7 @@ from trainlib.checkpoint.hf import (check_model_args, checkpoint_format, load_hf
 from trainlib.checkpoint.state import ModelState, TrainState, nonfinite_entries
 from trainlib.distributed import barrier, from_rank0
 from trainlib.errors import ConfigError, TrainingStopped
+from trainlib.params import local_tensor
 from trainlib.checkpoint.config import CheckpointConfig
 
 logger = logging.getLogger("trainlib")
@@ -640,7 +641,7 @@ def _state_bytes(states: dict[str, Stateful]) -> int:
             for v in value:
                 walk(v)
         elif isinstance(value, torch.Tensor):
-            local = value.to_local() if hasattr(value, "to_local") else value
+            local = local_tensor(value)
             total += local.numel() * local.element_size()
 
     for part in states.values():

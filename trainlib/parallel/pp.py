@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from trainlib.data import map_tensors
 from trainlib.errors import ConfigError
 from trainlib.loss import cross_entropy_sum
+from trainlib.params import local_tensor
 from trainlib.blocks.moe import uncounted
 
 if TYPE_CHECKING:
@@ -218,9 +219,9 @@ class Pipeline:
             return
         group = self.stages[0].group
         for name in self.copies:
-            mine = [_local(p.grad) for p in getattr(first if first is not None else last, name).parameters()]
+            mine = [local_tensor(p.grad) for p in getattr(first if first is not None else last, name).parameters()]
             if first is not None and last is not None:  # both on this rank (V placement)
-                for g, other in zip(mine, [_local(p.grad) for p in getattr(last, name).parameters()], strict=True):
+                for g, other in zip(mine, [local_tensor(p.grad) for p in getattr(last, name).parameters()], strict=True):
                     g += other
                     other.copy_(g)
                 continue
@@ -314,10 +315,6 @@ def _unpack_targets(packed: torch.Tensor, layout: list) -> dict:
         else:
             out[key], i = list(packed[:, i:i + n].unbind(1)), i + n
     return out
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t
 
 
 _WIRE_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)

@@ -39,6 +39,7 @@ from torch.distributed.tensor import DTensor
 
 from trainlib.distributed import from_rank0
 from trainlib.errors import ConfigError
+from trainlib.params import local_tensor
 
 logger = logging.getLogger("trainlib")
 
@@ -205,7 +206,7 @@ class ReplicaAxis:
         for p in self._params:
             if p.grad is not None:
                 g = p.grad
-                grads.append(g.to_local() if isinstance(g, DTensor) else g)
+                grads.append(local_tensor(g))
         return grads
 
     def should_commit(self) -> bool:
